@@ -1,0 +1,422 @@
+"""The persistent (SSD) tier: one checksummed file per full page, written behind.
+
+Files live under ``kv_dir/<fingerprint[:16]>/ab/cd/<page hash>.kvp``: one
+subtree per layout fingerprint, so servers of different models can share a
+directory without deleting each other's pages, and two levels of hash prefix
+so no directory grows past what a filesystem indexes well.
+
+Rules (ARCHITECTURE 2.3):
+- A page becomes visible to lookups only after its file is complete: written
+  to a temp file, fsynced, renamed, directory fsynced. A failed write leaves
+  nothing findable.
+- A read that fails verification is a miss; the file is deleted and counted.
+- Any OSError while writing (ENOSPC, EIO, EROFS, EACCES, EFBIG) disables
+  writes for the rest of the process with one warning; reads go on.
+- A byte budget with LRU eviction bounds the directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import logging
+import os
+import shutil
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from pathlib import Path
+
+import torch
+
+from kvstore.layout import KVLayout
+from kvstore.page_file import (
+    CHECKSUM_BYTES,
+    FILE_SUFFIX,
+    HEADER_BYTES,
+    TEMP_SUFFIX,
+    PageHeader,
+    checksum,
+    decode_header,
+    file_name,
+    shard_parts,
+)
+from kvstore.stats import SSDStats
+
+log = logging.getLogger(__name__)
+
+_HEX = set("0123456789abcdef")
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        # Our own pid on a file we did not write: a previous process that had it.
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class PersistentStore:
+    """Content-addressed page files with a rebuilt-on-start LRU index."""
+
+    def __init__(
+        self,
+        kv_dir: str | os.PathLike[str],
+        layout: KVLayout,
+        budget_bytes: int | None = None,
+        write_workers: int = 2,
+        read_workers: int = 4,
+        max_pending_writes: int = 1024,
+    ) -> None:
+        self.layout = layout
+        self.root = Path(kv_dir) / layout.fingerprint[:16]
+        self.file_bytes = HEADER_BYTES + layout.page_bytes + CHECKSUM_BYTES
+        self.max_pending_writes = max_pending_writes
+        self._lock = threading.Lock()
+        # page hash -> file size, least recently used first.
+        self._index: OrderedDict[bytes, int] = OrderedDict()
+        self._pending: set[bytes] = set()
+        self._futures: set[Future[None]] = set()
+        self._total = 0
+        self._tmp_seq = 0
+        self._stats = SSDStats(enabled=True, writes_enabled=True)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            self._disable_writes(exc)
+        self._scan()
+        if budget_bytes is None:
+            budget_bytes = self._default_budget()
+        self.budget_bytes = budget_bytes
+        self._stats.budget_bytes = budget_bytes
+        with self._lock:
+            self._evict_until(budget_bytes)
+        self._writer = ThreadPoolExecutor(write_workers, thread_name_prefix="kv-ssd-write")
+        self._reader = ThreadPoolExecutor(read_workers, thread_name_prefix="kv-ssd-read")
+
+    def _default_budget(self) -> int:
+        """No explicit budget: 90% of what the filesystem can hold for us now."""
+        try:
+            usage = shutil.disk_usage(self.root)
+        except OSError:
+            return 0
+        return int((usage.free + self._total) * 0.9)
+
+    # ------------------------------------------------------------- lookup
+    def path(self, page_hash: bytes) -> Path:
+        a, b = shard_parts(page_hash)
+        return self.root / a / b / file_name(page_hash)
+
+    def contains(self, page_hash: bytes) -> bool:
+        with self._lock:
+            return page_hash in self._index
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._index)
+
+    def stats(self) -> SSDStats:
+        with self._lock:
+            s = dataclasses.replace(self._stats)
+            s.files = len(self._index)
+            s.bytes = self._total
+            s.pending_writes = len(self._pending)
+            return s
+
+    # -------------------------------------------------------------- reads
+    def get(self, page_hash: bytes) -> memoryview | None:
+        """The verified payload of a page, or None (a miss: absent or failed checks)."""
+        with self._lock:
+            size = self._index.get(page_hash)
+        if size is None:
+            return None
+        path = self.path(page_hash)
+        t0 = time.perf_counter()
+        buf = bytearray(size + 1)  # one spare byte: a file that grew is caught too
+        try:
+            with open(path, "rb", buffering=0) as f:
+                n = f.readinto(buf)
+        except FileNotFoundError:
+            with self._lock:
+                self._drop(page_hash)
+                self._stats.missing_files += 1
+            return None
+        except OSError as exc:
+            log.warning("kv page read failed (%s): %s; treated as a miss", exc, path)
+            with self._lock:
+                self._stats.read_errors += 1
+                self._delete(page_hash)
+            return None
+        if not self._verify(buf, n, page_hash):
+            log.warning("kv page failed verification, deleted: %s", path)
+            with self._lock:
+                self._stats.checksum_failures += 1
+                self._delete(page_hash)
+            return None
+        # Persist recency for the next start's LRU order; best effort.
+        with contextlib.suppress(OSError):
+            os.utime(path)
+        with self._lock:
+            self._stats.reads += 1
+            self._stats.read_bytes += n
+            self._stats.read_seconds += time.perf_counter() - t0
+        return memoryview(buf)[HEADER_BYTES : HEADER_BYTES + self.layout.page_bytes]
+
+    def get_many(self, page_hashes: Sequence[bytes]) -> list[memoryview | None]:
+        """Parallel ``get`` of a chain; the chain's head becomes the most recently used."""
+        with self._lock:
+            for h in reversed(page_hashes):
+                if h in self._index:
+                    self._index.move_to_end(h)
+        return list(self._reader.map(self.get, page_hashes))
+
+    def _verify(self, buf: bytearray, n: int, page_hash: bytes) -> bool:
+        if n != self.file_bytes:
+            return False
+        header = decode_header(bytes(buf[:HEADER_BYTES]))
+        if header is None or header != self._expected_header(page_hash):
+            return False
+        end = HEADER_BYTES + self.layout.page_bytes
+        view = memoryview(buf)
+        return checksum(view[:HEADER_BYTES], view[HEADER_BYTES:end]) == bytes(view[end:n])
+
+    def _expected_header(self, page_hash: bytes) -> PageHeader:
+        return PageHeader(
+            fingerprint=self.layout.fingerprint_bytes,
+            page_tokens=self.layout.page_tokens,
+            n_entries=self.layout.entries_per_page,
+            payload_bytes=self.layout.page_bytes,
+            page_hash=page_hash,
+        )
+
+    # ------------------------------------------------------------- writes
+    def put(self, page_hash: bytes, payload: torch.Tensor) -> bool:
+        """Queue a write-behind of one page; False when not queued (present, off, full).
+
+        The bytes are snapshotted now: the device page may be reused before the
+        write runs. On a GPU the copy is asynchronous into pinned memory and the
+        worker waits for it.
+        """
+        assert payload.dtype == torch.uint8 and payload.numel() == self.layout.page_bytes
+        with self._lock:
+            if not self._stats.writes_enabled:
+                return False
+            if page_hash in self._index or page_hash in self._pending:
+                return False
+            if len(self._pending) >= self.max_pending_writes:
+                self._stats.dropped_writes += 1
+                return False
+            self._pending.add(page_hash)
+        event = None
+        if payload.is_cuda:
+            snapshot = torch.empty(payload.numel(), dtype=torch.uint8, pin_memory=True)
+            snapshot.copy_(payload.reshape(-1), non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            snapshot = payload.reshape(-1).clone()
+        fut = self._writer.submit(self._write, page_hash, snapshot, event)
+        with self._lock:
+            self._futures.add(fut)
+        fut.add_done_callback(self._forget_future)
+        return True
+
+    def _forget_future(self, fut: Future[None]) -> None:
+        with self._lock:
+            self._futures.discard(fut)
+
+    def flush(self) -> None:
+        """Wait until every queued write has finished (or failed)."""
+        while True:
+            with self._lock:
+                futures = list(self._futures)
+            if not futures:
+                return
+            wait(futures)
+
+    def close(self) -> None:
+        self.flush()
+        self._writer.shutdown(wait=True)
+        self._reader.shutdown(wait=True)
+
+    def _write(self, page_hash: bytes, snapshot: torch.Tensor, event: object) -> None:
+        t0 = time.perf_counter()
+        size = self.file_bytes
+        with self._lock:
+            if not self._stats.writes_enabled or size > self.budget_bytes:
+                # Disabled since queued, or a budget smaller than one page.
+                self._pending.discard(page_hash)
+                if self._stats.writes_enabled:
+                    self._stats.dropped_writes += 1
+                return
+            # Reserve the bytes first so concurrent writers never overshoot the budget.
+            self._evict_until(self.budget_bytes - size)
+            self._total += size
+            self._tmp_seq += 1
+            seq = self._tmp_seq
+        if event is not None:
+            event.synchronize()  # type: ignore[attr-defined]
+        final = self.path(page_hash)
+        tmp = final.with_name(f".{page_hash.hex()}.{os.getpid()}.{seq}{TEMP_SUFFIX}")
+        try:
+            header = self._expected_header(page_hash).encode()
+            payload = memoryview(snapshot.numpy())
+            trailer = checksum(header, payload)
+            self._make_shard_dirs(final.parent)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                with open(fd, "wb", closefd=True) as f:
+                    f.write(header)
+                    f.write(payload)
+                    f.write(trailer)
+                    f.flush()
+                    os.fsync(f.fileno())
+            except BaseException:
+                _unlink_quietly(tmp)
+                raise
+            os.rename(tmp, final)
+            _fsync_dir(final.parent)
+        except OSError as exc:
+            with self._lock:
+                self._total -= size
+                self._pending.discard(page_hash)
+                self._stats.write_errors += 1
+                self._disable_writes(exc)
+            return
+        with self._lock:
+            self._pending.discard(page_hash)
+            self._index[page_hash] = size
+            self._stats.writes += 1
+            self._stats.write_bytes += size
+            self._stats.write_seconds += time.perf_counter() - t0
+
+    def _make_shard_dirs(self, shard: Path) -> None:
+        if shard.is_dir():
+            return
+        shard.mkdir(parents=True, exist_ok=True)
+        # New directory entries must survive a power cut like the files in them.
+        _fsync_dir(shard.parent)
+        _fsync_dir(shard.parent.parent)
+
+    def _disable_writes(self, exc: OSError) -> None:
+        """Caller holds the lock (or is the constructor)."""
+        if self._stats.writes_enabled:
+            name = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+            log.warning(
+                "kv persistent tier: write failed (%s: %s); SSD writes disabled, "
+                "reads and serving continue",
+                name,
+                exc,
+            )
+        self._stats.writes_enabled = False
+
+    # -------------------------------------------------- index maintenance
+    def _evict_until(self, limit: int) -> None:
+        """Delete least recently used files until the total is <= limit (lock held)."""
+        while self._index and self._total > limit:
+            victim = next(iter(self._index))
+            self._delete(victim)
+            self._stats.evictions += 1
+
+    def _drop(self, page_hash: bytes) -> None:
+        size = self._index.pop(page_hash, None)
+        if size is not None:
+            self._total -= size
+
+    def _delete(self, page_hash: bytes) -> None:
+        """Forget and unlink under the lock, so a concurrent rewrite is never unlinked."""
+        self._drop(page_hash)
+        _unlink_quietly(self.path(page_hash))
+
+    def _scan(self) -> None:
+        """Rebuild the index from the directory; remove what cannot be served."""
+        t0 = time.perf_counter()
+        found: list[tuple[float, bytes, int]] = []
+        for shard in _shard_dirs(self.root):
+            try:
+                entries = list(os.scandir(shard))
+            except OSError:
+                continue
+            for entry in entries:
+                name = entry.name
+                if name.endswith(TEMP_SUFFIX):
+                    self._scan_temp(entry)
+                elif name.endswith(FILE_SUFFIX):
+                    item = self._scan_page(entry, shard)
+                    if item is not None:
+                        found.append(item)
+        found.sort()
+        for _mtime, page_hash, size in found:
+            self._index[page_hash] = size
+            self._total += size
+        self._stats.scan_seconds = time.perf_counter() - t0
+
+    def _scan_temp(self, entry: os.DirEntry[str]) -> None:
+        parts = entry.name.split(".")  # "", hash, pid, seq, "tmp"
+        try:
+            pid = int(parts[2])
+        except (IndexError, ValueError):
+            pid = -1
+        if pid > 0 and _pid_alive(pid):
+            return  # another live process is writing it
+        if _unlink_quietly(Path(entry.path)):
+            self._stats.stray_temp_files += 1
+
+    def _scan_page(self, entry: os.DirEntry[str], shard: Path) -> tuple[float, bytes, int] | None:
+        stem = entry.name[: -len(FILE_SUFFIX)]
+        ok = len(stem) == 64 and set(stem) <= _HEX
+        page_hash = bytes.fromhex(stem) if ok else b""
+        try:
+            st = entry.stat()
+            ok = ok and shard_parts(page_hash) == (shard.parent.name, shard.name)
+            ok = ok and st.st_size == self.file_bytes
+            if ok:
+                with open(entry.path, "rb", buffering=0) as f:
+                    header = decode_header(f.read(HEADER_BYTES))
+                ok = header == self._expected_header(page_hash)
+        except OSError:
+            ok = False
+        if ok:
+            return st.st_mtime, page_hash, st.st_size
+        log.info("kv persistent tier: skipping unusable file %s", entry.path)
+        self._stats.skipped_files += 1
+        _unlink_quietly(Path(entry.path))
+        return None
+
+
+def _shard_dirs(root: Path) -> list[Path]:
+    out: list[Path] = []
+    try:
+        level1 = sorted(p for p in root.iterdir() if p.is_dir() and len(p.name) == 2)
+    except OSError:
+        return out
+    for a in level1:
+        try:
+            out.extend(sorted(p for p in a.iterdir() if p.is_dir() and len(p.name) == 2))
+        except OSError:
+            continue
+    return out
+
+
+def _unlink_quietly(path: Path) -> bool:
+    try:
+        path.unlink()
+        return True
+    except OSError:
+        return False

@@ -1,0 +1,59 @@
+"""Counters the kvstore reports for metrics (a snapshot; plain numbers only)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class SSDStats:
+    """Persistent tier. Byte and latency counters are cumulative since start."""
+
+    enabled: bool = False
+    writes_enabled: bool = False
+    files: int = 0
+    bytes: int = 0
+    budget_bytes: int = 0
+    pending_writes: int = 0
+    writes: int = 0
+    write_bytes: int = 0
+    write_seconds: float = 0.0
+    reads: int = 0
+    read_bytes: int = 0
+    read_seconds: float = 0.0
+    evictions: int = 0
+    # Reads that failed verification (checksum, size, header): served as misses.
+    checksum_failures: int = 0
+    # Indexed files that vanished before a read (deleted behind our back).
+    missing_files: int = 0
+    # Files dropped by the start-up scan: wrong magic, version, fingerprint, size, name.
+    skipped_files: int = 0
+    # Temp files of dead writers removed by the start-up scan.
+    stray_temp_files: int = 0
+    # OSErrors while writing (ENOSPC, EIO, EROFS, ...): the first one disables writes.
+    write_errors: int = 0
+    read_errors: int = 0
+    # Writes not queued because too many were pending, or a page exceeds the budget.
+    dropped_writes: int = 0
+    scan_seconds: float = 0.0
+
+
+@dataclass(slots=True)
+class KVStats:
+    """Device tier, prefix cache and persistent tier in one snapshot."""
+
+    page_tokens: int = 0
+    page_bytes: int = 0
+    device_pages_total: int = 0
+    device_pages_in_use: int = 0
+    device_pages_cached: int = 0  # registered hash, refcount 0, evictable
+    device_pages_free: int = 0  # no hash, refcount 0
+    device_bytes: int = 0
+    device_evictions: int = 0
+    # Prefix lookups: one per plan_restore; tokens counted over the capped prefix.
+    lookups: int = 0
+    lookup_tokens: int = 0
+    device_hit_tokens: int = 0
+    ssd_lookup_pages: int = 0  # pages looked up on SSD after a device miss
+    ssd_hit_tokens: int = 0
+    ssd: SSDStats = field(default_factory=SSDStats)
