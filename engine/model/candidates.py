@@ -1,0 +1,83 @@
+"""Which compressed entries a query may read (ARCHITECTURE 1.4, 1.7).
+
+Pure functions over a dense score matrix [T, S] (T queries, S entries):
+visibility, the per-query top-k, and the candidate-block filter that the
+candidate source layer publishes for the reindex layers after it.
+
+Ordering rules (the spec is silent; kernels must match them):
+- a higher score wins; equal scores go to the lower entry (or block) index;
+- ``select_topk`` returns indices sorted ascending, padded with -1 at the end.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def visible_entries(positions: torch.Tensor, n_entries: int, ratio: int) -> torch.Tensor:
+    """BoolTensor [T, n_entries]: entry j is visible at pos iff ``j < (pos + 1) // ratio``."""
+    complete = torch.div(positions + 1, ratio, rounding_mode="floor")
+    return torch.arange(n_entries, device=positions.device)[None, :] < complete[:, None]
+
+
+def _rank_order(scores: torch.Tensor, eligible: torch.Tensor) -> torch.Tensor:
+    """Column order per row: eligible first, then score descending, then index ascending.
+
+    Two stable sorts: the second (eligibility) keeps the first's score order,
+    which itself keeps index order among equal scores. Eligible columns whose
+    score is -inf still rank above every ineligible one.
+    """
+    by_score = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+    eligible_sorted = torch.gather(eligible, -1, by_score)
+    by_eligible = torch.sort((~eligible_sorted).to(torch.uint8), dim=-1, stable=True).indices
+    return torch.gather(by_score, -1, by_eligible)
+
+
+def select_topk(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Tensor:
+    """LongTensor [T, k]: the k best visible entries per row, ascending, -1 padded.
+
+    With fewer than k visible entries every visible one is taken.
+    """
+    t, s = scores.shape
+    order = _rank_order(scores.float(), visible)[:, : min(k, s)]
+    chosen = torch.gather(visible, -1, order)
+    # Sort the picks by index; the -1 padding is pushed past every real index.
+    idx = torch.where(chosen, order, s).sort(dim=-1).values
+    idx = torch.where(idx == s, -1, idx)
+    if k > s:
+        idx = torch.cat((idx, idx.new_full((t, k - s), -1)), dim=-1)
+    return idx
+
+
+def candidate_block_mask(
+    scores: torch.Tensor, visible: torch.Tensor, block_size: int, topk_blocks: int
+) -> torch.Tensor:
+    """BoolTensor [T, S]: visible entries inside each query's top ``topk_blocks`` blocks.
+
+    Block b covers entries ``[b * block_size, (b + 1) * block_size)``; its score
+    is the max over its visible entries. The block holding the newest visible
+    entry scores +inf (always kept); blocks with no visible entry are never kept.
+    When the visible entries span at most ``topk_blocks`` blocks (e.g. a prefix
+    of at most ``topk_blocks * block_size`` entries) the result equals ``visible``.
+    """
+    t, s = scores.shape
+    n_blocks = -(-s // block_size)
+    pad = n_blocks * block_size - s
+    masked = scores.float().masked_fill(~visible, float("-inf"))
+    masked = torch.nn.functional.pad(masked, (0, pad), value=float("-inf"))
+    vis = torch.nn.functional.pad(visible, (0, pad), value=False)
+    block_score = masked.view(t, n_blocks, block_size).amax(dim=-1)
+    block_visible = vis.view(t, n_blocks, block_size).any(dim=-1)
+    # Newest visible entry: the highest visible index (rows with none have no such block).
+    cols = torch.arange(n_blocks * block_size, device=scores.device)
+    newest = torch.where(vis, cols, -1).amax(dim=-1)
+    has_any = newest >= 0
+    newest_block = torch.where(has_any, newest // block_size, 0)
+    forced = torch.zeros_like(block_visible)
+    forced[torch.arange(t), newest_block] = has_any
+    block_score = block_score.masked_fill(forced, float("inf"))
+    order = _rank_order(block_score, block_visible)[:, : min(topk_blocks, n_blocks)]
+    keep_block = torch.zeros_like(block_visible)
+    keep_block.scatter_(1, order, torch.gather(block_visible, 1, order))
+    keep = keep_block.repeat_interleave(block_size, dim=1)[:, :s]
+    return keep & visible

@@ -1,0 +1,28 @@
+"""RMSNorm, the only normalisation V4.1 uses (ARCHITECTURE 1.1: eps 1e-20 everywhere)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """``y = x * rsqrt(mean(x^2) + eps) * weight`` over the last dim, in fp32.
+
+    Checkpoint name: ``<prefix>.weight``. The result is cast back to the input
+    dtype, so an fp32 caller stays in fp32.
+    """
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.dim = dim
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        inv_rms = torch.rsqrt(x32.square().mean(-1, keepdim=True) + self.eps)
+        return (x32 * inv_rms * self.weight.float()).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.dim}, eps={self.eps}"
