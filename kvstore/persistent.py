@@ -140,10 +140,15 @@ class PersistentStore:
             return s
 
     # -------------------------------------------------------------- reads
-    def get(self, page_hash: bytes) -> memoryview | None:
-        """The verified payload of a page, or None (a miss: absent or failed checks)."""
+    def get(self, page_hash: bytes, touch: bool = True) -> memoryview | None:
+        """The verified payload of a page, or None (a miss: absent or failed checks).
+
+        ``touch`` makes the page the most recently used.
+        """
         with self._lock:
             size = self._index.get(page_hash)
+            if size is not None and touch:
+                self._index.move_to_end(page_hash)
         if size is None:
             return None
         path = self.path(page_hash)
@@ -184,7 +189,7 @@ class PersistentStore:
             for h in reversed(page_hashes):
                 if h in self._index:
                     self._index.move_to_end(h)
-        return list(self._reader.map(self.get, page_hashes))
+        return list(self._reader.map(lambda h: self.get(h, touch=False), page_hashes))
 
     def _verify(self, buf: bytearray, n: int, page_hash: bytes) -> bool:
         if n != self.file_bytes:
