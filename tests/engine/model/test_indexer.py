@@ -1,0 +1,99 @@
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine.model.compressor import entry_positions
+from engine.model.config import ModelConfig
+from engine.model.indexer import Indexer, indexer_scores
+from engine.model.rope import rope_inv_freq
+
+
+def _rope64(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Float64 complex-multiplication RoPE on the last 2*len(inv_freq) dims."""
+    r = 2 * inv_freq.shape[0]
+    x64 = x.double()
+    z = torch.complex(x64[..., -r::2], x64[..., -r + 1 :: 2])
+    angle = pos.double()[:, None] * inv_freq.double()[None, :]
+    z = z * torch.polar(torch.ones_like(angle), angle).view(
+        (x.shape[0],) + (1,) * (x.dim() - 2) + (-1,)
+    )
+    return torch.cat((x64[..., :-r], torch.stack((z.real, z.imag), -1).flatten(-2)), -1)
+
+
+def _random_indexer(layer_id: int, seed: int) -> Indexer:
+    idx = Indexer(ModelConfig.tiny(), layer_id)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in idx.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
+    return idx
+
+
+def test_indexer_scores_match_float64_loop():
+    g = torch.Generator().manual_seed(0)
+    T, h, S, d = 4, 3, 6, 8
+    qi, w, k = (
+        torch.randn(T, h, d, generator=g),
+        torch.randn(T, h, generator=g),
+        torch.randn(S, d, generator=g),
+    )
+    got = indexer_scores(qi, w, k)
+    want = torch.zeros(T, S, dtype=torch.float64)
+    for t in range(T):
+        for s in range(S):
+            for j in range(h):
+                dot = float(qi[t, j].double() @ k[s].double())
+                want[t, s] += float(w[t, j]) * max(dot, 0.0)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    # The method is the same function.
+    idx = Indexer(ModelConfig.tiny(), 2)
+    assert torch.equal(idx.scores(qi, w, k), got)
+
+
+def test_queries_rope_tail_and_head_weights():
+    config = ModelConfig.tiny()
+    idx = _random_indexer(6, seed=1)  # a reindex layer: query side only
+    assert idx.wk is None and idx.k_norm is None
+    g = torch.Generator().manual_seed(2)
+    T = 5
+    qr, x = torch.randn(T, config.q_lora_rank, generator=g), torch.randn(T, 256, generator=g)
+    pos = torch.tensor([0, 4, 9, 63, 700])
+    qi, w = idx.queries(qr, x, pos)
+    qi64 = (qr.double() @ idx.wq_b.weight.double().T).view(T, 4, 128)
+    torch.testing.assert_close(
+        qi.double(), _rope64(qi64, pos, rope_inv_freq(config, 6)), rtol=1e-5, atol=1e-5
+    )
+    w64 = x.double() @ idx.weights_proj.weight.double().T * 128**-0.5 * 4**-0.5
+    torch.testing.assert_close(w.double(), w64, rtol=1e-5, atol=1e-6)
+    # Indexer RoPE uses the ratio>0 (YaRN) frequencies, not the plain ones.
+    torch.testing.assert_close(idx.inv_freq, rope_inv_freq(config, 2))
+    assert not torch.allclose(idx.inv_freq, rope_inv_freq(config, 0))
+
+
+def test_keys_are_normed_projections_roped_at_group_start():
+    config = ModelConfig.tiny()
+    idx = _random_indexer(2, seed=3)  # ratio-2 kv source
+    latent = torch.randn(4, 512, generator=torch.Generator().manual_seed(4))
+    starts = entry_positions(4, 2, start_entry=3)  # entries 3..6 start at 6, 8, 10, 12
+    got = idx.keys(latent, starts)
+    k64 = latent.double() @ idx.wk.weight.double().T
+    k64 = k64 / torch.sqrt((k64**2).mean(-1, keepdim=True) + config.rms_norm_eps)
+    k64 = k64 * idx.k_norm.weight.double()
+    want = _rope64(k64, torch.tensor([6, 8, 10, 12]), idx.inv_freq)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    # Dims 0..63 carry no RoPE; 64..127 do. Roping at the group's last token would differ.
+    torch.testing.assert_close(got[:, :64].double(), k64[:, :64], rtol=1e-5, atol=1e-5)
+    wrong = _rope64(k64, torch.tensor([7, 9, 11, 13]), idx.inv_freq)
+    assert not torch.allclose(got.double(), wrong, atol=1e-3)
+
+
+def test_only_index_sources_build_an_indexer():
+    with pytest.raises(ValueError):
+        Indexer(ModelConfig.tiny(), 3)  # a reuse layer
