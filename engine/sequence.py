@@ -1,0 +1,114 @@
+"""One generated stream: its tokens, its pages and the plan of its current admission.
+
+A request with ``n`` choices owns ``n`` sequences. A sequence is admitted (its
+prefix looked up in the KV store, its plan fixed), prefilled in chunks, then
+decoded one token per step. Preemption drops its pages and runner state; the
+next admission plans again over prompt plus outputs so far, which makes the
+resume a restore (docs/design/semantics.md, docs/design/engine.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from kvstore.page_hash import Salt
+
+
+class SequenceStatus(StrEnum):
+    WAITING = "waiting"  # not admitted, or preempted and waiting to be admitted again
+    RUNNING = "running"  # admitted: holds pages, prefilling or decoding
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class Sequence:
+    """State of one choice of a request, as the scheduler and the runner see it.
+
+    Plan of the current admission (docs/design/semantics.md): ``stored_tokens``
+    (H) tokens of global KV came from the store; the encoder runs rows
+    ``[encoder_start, prefill_end)`` (e0); the decoder rows
+    ``[decoder_start, prefill_end)`` (d0). ``num_computed`` counts rows the runner
+    has processed: it starts at e0 and reaches ``prefill_end`` when the prefill's
+    last chunk runs; each decode step then adds one.
+    """
+
+    seq_id: int
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    salt: Salt = b""
+    priority: int = 0
+    arrival: float = 0.0
+    index: int = 0  # choice index within the request (0 .. n-1)
+    status: SequenceStatus = SequenceStatus.WAITING
+    block_table: list[int] = field(default_factory=list)
+    # Plan of the current admission.
+    stored_tokens: int = 0
+    encoder_start: int = 0
+    decoder_start: int = 0
+    prefill_end: int = 0
+    num_computed: int = 0
+    # Timing marks (time.monotonic()); first_* are set once and survive preemption.
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    finished: float | None = None
+    # Counters. The cache hit of the first admission is what the API reports.
+    num_admissions: int = 0
+    num_preemptions: int = 0
+    prompt_hit_tokens: int = 0
+    prompt_device_hit_tokens: int = 0
+    prompt_ssd_hit_tokens: int = 0
+    replay_tokens: int = 0  # rows below H re-run through the encoder, over all admissions
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    # ------------------------------------------------------------ views
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def in_prefill(self) -> bool:
+        """Admitted and still running its prefill chunks."""
+        return self.num_computed < self.prefill_end
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def sort_key(self) -> tuple[int, float, int]:
+        """Scheduling order: lower priority value first, then arrival, then id."""
+        return (self.priority, self.arrival, self.seq_id)
+
+    # ------------------------------------------------------------ transitions
+    def admit(self, hit_tokens: int, replay_start: int, replay_tokens: int, ced: bool) -> None:
+        """Fix this admission's plan: the one prefill rule of docs/design/semantics.md."""
+        L = self.num_tokens
+        e0 = replay_start
+        self.stored_tokens = hit_tokens
+        self.encoder_start = e0
+        self.decoder_start = max(e0, L - replay_tokens) if ced else e0
+        self.prefill_end = L
+        self.num_computed = e0
+        self.status = SequenceStatus.RUNNING
+        self.num_admissions += 1
+        self.replay_tokens += hit_tokens - e0
+
+    def reset_for_preemption(self) -> None:
+        """Back to waiting; outputs so far are kept and become part of the next prompt."""
+        self.status = SequenceStatus.WAITING
+        self.block_table = []
+        self.stored_tokens = self.encoder_start = self.decoder_start = 0
+        self.prefill_end = self.num_computed = 0
+        self.num_preemptions += 1
