@@ -237,10 +237,9 @@ class KVCacheManager:
         for i, h in enumerate(new, start):
             self.pool.register(req.block_table[i], h)
         req.hashes.extend(new)
-        if self.store is not None:
-            # Tail first: the chain's head ends up the most recently written.
-            for i in reversed(range(start, start + len(new))):
-                self.store.put(req.hashes[i], self.memory.pages[req.block_table[i]])
+        if self.store is not None and new:
+            rows = [self.memory.pages[p] for p in req.block_table[start : start + len(new)]]
+            self.store.put_chain(list(zip(new, rows, strict=True)))
         return len(new)
 
     def free(self, request_id: Hashable) -> None:

@@ -212,35 +212,47 @@ class PersistentStore:
 
     # ------------------------------------------------------------- writes
     def put(self, page_hash: bytes, payload: torch.Tensor) -> bool:
-        """Queue a write-behind of one page; False when not queued (present, off, full).
+        """Queue a write-behind of one page; False when not queued (present, off, full)."""
+        return self.put_chain([(page_hash, payload)]) == 1
 
-        The bytes are snapshotted now: the device page may be reused before the
-        write runs. On a GPU the copy is asynchronous into pinned memory and the
-        worker waits for it.
+    def put_chain(self, pages: Sequence[tuple[bytes, torch.Tensor]]) -> int:
+        """Queue consecutive pages of one chain, head first; returns how many were queued.
+
+        One worker writes them in order, so a disk that fills up or a crash
+        leaves a usable head rather than an unreachable tail; on completion the
+        head becomes the most recently used, so the budget evicts tails first.
+        The bytes are snapshotted now: a device page may be reused before the
+        write runs (on a GPU: an asynchronous copy to pinned memory, awaited by
+        the worker).
         """
-        assert payload.dtype == torch.uint8 and payload.numel() == self.layout.page_bytes
         with self._lock:
             if not self._stats.writes_enabled:
-                return False
-            if page_hash in self._index or page_hash in self._pending:
-                return False
-            if len(self._pending) >= self.max_pending_writes:
-                self._stats.dropped_writes += 1
-                return False
-            self._pending.add(page_hash)
+                return 0
+            room = self.max_pending_writes - len(self._pending)
+            todo = [(h, t) for h, t in pages if h not in self._index and h not in self._pending]
+            self._stats.dropped_writes += max(0, len(todo) - room)
+            todo = todo[: max(0, room)]
+            self._pending.update(h for h, _ in todo)
+        if not todo:
+            return 0
+        snapshots: list[tuple[bytes, torch.Tensor]] = []
         event = None
-        if payload.is_cuda:
-            snapshot = torch.empty(payload.numel(), dtype=torch.uint8, pin_memory=True)
-            snapshot.copy_(payload.reshape(-1), non_blocking=True)
+        for h, payload in todo:
+            assert payload.dtype == torch.uint8 and payload.numel() == self.layout.page_bytes
+            if payload.is_cuda:
+                snap = torch.empty(payload.numel(), dtype=torch.uint8, pin_memory=True)
+                snap.copy_(payload.reshape(-1), non_blocking=True)
+            else:
+                snap = payload.reshape(-1).clone()
+            snapshots.append((h, snap))
+        if any(payload.is_cuda for _, payload in todo):
             event = torch.cuda.Event()
             event.record()
-        else:
-            snapshot = payload.reshape(-1).clone()
-        fut = self._writer.submit(self._write, page_hash, snapshot, event)
+        fut = self._writer.submit(self._write_chain, snapshots, event)
         with self._lock:
             self._futures.add(fut)
         fut.add_done_callback(self._forget_future)
-        return True
+        return len(todo)
 
     def _forget_future(self, fut: Future[None]) -> None:
         with self._lock:
@@ -260,23 +272,37 @@ class PersistentStore:
         self._writer.shutdown(wait=True)
         self._reader.shutdown(wait=True)
 
-    def _write(self, page_hash: bytes, snapshot: torch.Tensor, event: object) -> None:
+    def _write_chain(self, pages: list[tuple[bytes, torch.Tensor]], event: object) -> None:
+        if event is not None:
+            event.synchronize()  # type: ignore[attr-defined]
+        done: list[bytes] = []
+        try:
+            for page_hash, snapshot in pages:
+                if not self._write_one(page_hash, snapshot):
+                    break
+                done.append(page_hash)
+        finally:
+            with self._lock:
+                self._pending.difference_update(h for h, _ in pages)
+                # Tail first, head last: the head is the most recently used.
+                for h in reversed(done):
+                    self._index[h] = self.file_bytes
+
+    def _write_one(self, page_hash: bytes, snapshot: torch.Tensor) -> bool:
+        """Write one file (temp, fsync, rename, fsync dir); False stops the chain."""
         t0 = time.perf_counter()
         size = self.file_bytes
         with self._lock:
-            if not self._stats.writes_enabled or size > self.budget_bytes:
-                # Disabled since queued, or a budget smaller than one page.
-                self._pending.discard(page_hash)
-                if self._stats.writes_enabled:
-                    self._stats.dropped_writes += 1
-                return
+            if not self._stats.writes_enabled:
+                return False
             # Reserve the bytes first so concurrent writers never overshoot the budget.
             self._evict_until(self.budget_bytes - size)
+            if self._total + size > self.budget_bytes:
+                self._stats.dropped_writes += 1  # the rest of an over-budget chain
+                return False
             self._total += size
             self._tmp_seq += 1
             seq = self._tmp_seq
-        if event is not None:
-            event.synchronize()  # type: ignore[attr-defined]
         final = self.path(page_hash)
         tmp = final.with_name(f".{page_hash.hex()}.{os.getpid()}.{seq}{TEMP_SUFFIX}")
         try:
@@ -300,16 +326,14 @@ class PersistentStore:
         except OSError as exc:
             with self._lock:
                 self._total -= size
-                self._pending.discard(page_hash)
                 self._stats.write_errors += 1
                 self._disable_writes(exc)
-            return
+            return False
         with self._lock:
-            self._pending.discard(page_hash)
-            self._index[page_hash] = size
             self._stats.writes += 1
             self._stats.write_bytes += size
             self._stats.write_seconds += time.perf_counter() - t0
+        return True
 
     def _make_shard_dirs(self, shard: Path) -> None:
         if shard.is_dir():

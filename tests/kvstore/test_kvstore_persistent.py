@@ -233,13 +233,13 @@ def test_write_is_off_the_callers_thread_and_snapshots_bytes(tmp_path: Path) -> 
 
     store = PersistentStore(tmp_path, LAYOUT, budget_bytes=10**9)
     seen: list[str] = []
-    real = store._write
+    real = store._write_one
 
-    def spy(*args: object) -> None:
+    def spy(*args: object) -> bool:
         seen.append(threading.current_thread().name)
-        real(*args)  # type: ignore[arg-type]
+        return real(*args)  # type: ignore[arg-type]
 
-    store._write = spy  # type: ignore[method-assign]
+    store._write_one = spy  # type: ignore[method-assign]
     h = bytes(32)
     page = content_for(h, LAYOUT.page_bytes).clone()
     expect = page.clone()
@@ -249,4 +249,16 @@ def test_write_is_off_the_callers_thread_and_snapshots_bytes(tmp_path: Path) -> 
     assert seen and seen[0].startswith("kv-ssd-write")
     got = store.get(h)
     assert got is not None and torch.equal(torch.frombuffer(got, dtype=torch.uint8), expect)
+    store.close()
+
+
+def test_chain_over_budget_keeps_its_head_most_recently_used(tmp_path: Path) -> None:
+    file_bytes = HEADER_BYTES + LAYOUT.page_bytes + CHECKSUM_BYTES
+    store = PersistentStore(tmp_path, LAYOUT, budget_bytes=3 * file_bytes)
+    chain = [bytes([i + 1]) * 32 for i in range(5)]
+    assert store.put_chain([(h, content_for(h, LAYOUT.page_bytes)) for h in chain]) == 5
+    store.flush()
+    # A tail without its head is unreachable: the head is what must survive.
+    assert _on_disk(store) == set(chain[:3]) and store.stats().dropped_writes == 1
+    assert list(store._index) == [chain[2], chain[1], chain[0]]  # eviction order: tail first
     store.close()
