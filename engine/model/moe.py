@@ -1,0 +1,98 @@
+"""Mixture of experts (ARCHITECTURE 1.8): sqrt-softplus router, clamped SwiGLU experts.
+
+Checkpoint names: ``ffn.gate.weight`` / ``ffn.gate.bias`` (the
+e_score_correction_bias), ``ffn.experts.E.w{1,2,3}.weight``,
+``ffn.shared_experts.w{1,2,3}.weight``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.model.config import ModelConfig
+
+# Added to the sum of the selected scores before normalising (DeepSeek's value).
+ROUTE_NORM_EPS = 1e-20
+
+
+class Expert(nn.Module):
+    """``w2(silu(min(w1 x, limit)) * clamp(w3 x, -limit, limit))``.
+
+    The gate is clamped from above only (its negative tail goes through silu
+    untouched); the up projection on both sides. A ``limit <= 0`` disables both.
+    """
+
+    def __init__(self, dim: int, inter_dim: int, swiglu_limit: float) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, inter_dim, bias=False)  # gate
+        self.w2 = nn.Linear(inter_dim, dim, bias=False)  # down
+        self.w3 = nn.Linear(dim, inter_dim, bias=False)  # up
+        self.swiglu_limit = swiglu_limit
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+        """Expert output for ``x [T, D]``; ``weights [T, 1]`` scales it before ``w2``.
+
+        The activation runs in fp32 and is cast back to ``x``'s dtype for ``w2``.
+        """
+        gate = self.w1(x).float()
+        up = self.w3(x).float()
+        if self.swiglu_limit > 0:
+            gate = gate.clamp(max=self.swiglu_limit)
+            up = up.clamp(min=-self.swiglu_limit, max=self.swiglu_limit)
+        h = F.silu(gate) * up
+        if weights is not None:
+            h = weights.float() * h
+        return self.w2(h.to(x.dtype))
+
+
+class Gate(nn.Module):
+    """noaux_tc router: the bias picks experts, the raw scores weight them."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.topk = config.num_experts_per_tok
+        self.routed_scaling_factor = config.routed_scaling_factor
+        self.norm_topk_prob = config.norm_topk_prob
+        self.weight = nn.Parameter(torch.empty(config.n_routed_experts, config.hidden_size))
+        # e_score_correction_bias; selection only, kept in fp32 like the checkpoint.
+        self.bias = nn.Parameter(torch.zeros(config.n_routed_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(weights [T, k] fp32, idx [T, k])`` for ``x [T, D]``."""
+        scores = F.softplus(F.linear(x.float(), self.weight.float())).sqrt()
+        idx = torch.topk(scores + self.bias.float(), self.topk, dim=-1).indices
+        weights = scores.gather(-1, idx)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + ROUTE_NORM_EPS)
+        return weights * self.routed_scaling_factor, idx
+
+
+class MoE(nn.Module):
+    """``y = sum_k w_k E_{idx_k}(x) + Shared(x)``, accumulated in fp32."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        dim, inter, limit = config.hidden_size, config.moe_intermediate_size, config.swiglu_limit
+        self.n_routed_experts = config.n_routed_experts
+        self.gate = Gate(config)
+        self.experts = nn.ModuleList(
+            Expert(dim, inter, limit) for _ in range(config.n_routed_experts)
+        )
+        # The released config clamps the shared expert too (ARCHITECTURE 1.8).
+        self.shared_experts = Expert(dim, inter * config.n_shared_experts, limit)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [T, D] -> [T, D]`` in ``x``'s dtype."""
+        weights, idx = self.gate(x)
+        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        counts = torch.bincount(idx.flatten(), minlength=self.n_routed_experts).tolist()
+        for e, count in enumerate(counts):
+            if count == 0:
+                continue
+            token, slot = torch.where(idx == e)
+            out = self.experts[e](x[token], weights[token, slot, None])
+            y.index_add_(0, token, out.float())
+        y += self.shared_experts(x).float()
+        return y.to(x.dtype)
