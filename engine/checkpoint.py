@@ -1,0 +1,393 @@
+"""Load an official-layout DeepSeek-V4.1 checkpoint into ``DeepseekV41``.
+
+A checkpoint directory holds ``config.json`` and either ``model.safetensors`` or
+shards listed in ``model.safetensors.index.json``. Tensors carry DeepSeek's own
+names (ARCHITECTURE 1.10); quantised weights have a ``.scale`` sibling. The
+storage format of every tensor is fixed by ``weight_format`` (the decision table
+in docs/design/checkpoints.md). Tensors are read lazily, one at a time, and
+dequantised on the CPU before they are copied into the model.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from engine.model.config import ModelConfig
+from engine.model.engram import build_compressed_vocab, load_tokenizer
+from engine.model.model import DeepseekV41
+from kernels.weight_formats import (
+    dequantize_fp8_block,
+    dequantize_fp8_rows,
+    dequantize_mxfp4_weight,
+)
+
+logger = logging.getLogger(__name__)
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+TOKENIZER_FILE = "tokenizer.json"
+SCALE_SUFFIX = ".scale"
+QUANT_BLOCK = 32  # every scale in the checkpoint covers 32 elements along K (and 32 rows for FP8)
+
+# Tensors the text server does not serve: skipped with one notice per kind.
+SKIPPED_KINDS: dict[str, tuple[str, ...]] = {
+    "dspark": ("mtp.",),
+    "vision": ("vision.", "visual.", "aligner.", "image_"),
+}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not fit the model; the message names the tensor."""
+
+    def __init__(self, tensor: str, message: str) -> None:
+        super().__init__(f"tensor `{tensor}`: {message}")
+        self.tensor = tensor
+
+
+class WeightFormat(StrEnum):
+    """How one logical tensor is stored (ARCHITECTURE 1.10)."""
+
+    BF16 = "bf16"
+    FP32 = "fp32"
+    FP8_BLOCK = "fp8_block"  # F8_E4M3 + E8M0 `.scale` per [32, 32] block
+    MXFP4 = "mxfp4"  # two E2M1 per I8 (even element low) + E8M0 `.scale` per 32 along K
+    FP8_ROWS = "fp8_rows"  # F8_E4M3 + E8M0 `.scale` per 32 along each row (Engram tables)
+
+    @property
+    def quantised(self) -> bool:
+        return self not in (WeightFormat.BF16, WeightFormat.FP32)
+
+
+_L = r"layers\.\d+\."
+# First full match wins. Sources: vLLM deepseek_v41 (quant_config=None marks BF16
+# projections; FP32 parameters are declared float32) and DeepSeek's checkpoints.
+_FORMAT_RULES: tuple[tuple[re.Pattern[str], WeightFormat], ...] = tuple(
+    (re.compile(pattern), fmt)
+    for pattern, fmt in (
+        (_L + r"ffn\.experts\.\d+\.w[123]\.weight", WeightFormat.MXFP4),
+        (_L + r"engram\.embed\.weight", WeightFormat.FP8_ROWS),
+        (_L + r"attn\.(wq_a|wq_b|wkv|wo_a|wo_b)\.weight", WeightFormat.FP8_BLOCK),
+        (_L + r"attn\.indexer\.wq_b\.weight", WeightFormat.FP8_BLOCK),
+        (_L + r"ffn\.shared_experts\.w[123]\.weight", WeightFormat.FP8_BLOCK),
+        (_L + r"engram\.wkv\.weight", WeightFormat.FP8_BLOCK),
+        (r"(.+\.)?\w*norm\.weight", WeightFormat.FP32),
+        (_L + r"hc_(attn|ffn)_(fn|base|scale)", WeightFormat.FP32),
+        (_L + r"attn\.attn_sink", WeightFormat.FP32),
+        (_L + r"ffn\.gate\.bias", WeightFormat.FP32),
+        (_L + r"attn\.compressor\.(wkv|wgate)\.weight", WeightFormat.BF16),
+        (_L + r"attn\.indexer\.(wk|weights_proj)\.weight", WeightFormat.BF16),
+        (_L + r"ffn\.gate\.weight", WeightFormat.BF16),
+        (_L + r"engram\.[\w.]+", WeightFormat.BF16),
+        (r"(embed|head)\.weight", WeightFormat.BF16),
+    )
+)
+
+_FLOAT_DTYPES = {"BF16", "F16", "F32", "F64"}
+_TORCH_DTYPE = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+
+
+def scale_name(name: str) -> str:
+    """The ``.scale`` sibling of a quantised weight: ``X.weight`` -> ``X.scale``."""
+    return name.removesuffix(".weight") + SCALE_SUFFIX
+
+
+def weight_format(name: str) -> WeightFormat | None:
+    """The storage format of the model tensor ``name`` (None: not in the table)."""
+    for pattern, fmt in _FORMAT_RULES:
+        if pattern.fullmatch(name):
+            return fmt
+    return None
+
+
+def stored_shapes(
+    fmt: WeightFormat, shape: tuple[int, ...]
+) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
+    """(weight shape, scale shape or None) on disk for a logical tensor of ``shape``."""
+    if not fmt.quantised:
+        return shape, None
+    rows, cols = shape
+    if fmt is WeightFormat.FP8_BLOCK:
+        return shape, (math.ceil(rows / QUANT_BLOCK), math.ceil(cols / QUANT_BLOCK))
+    if fmt is WeightFormat.MXFP4:
+        return (rows, cols // 2), (rows, cols // QUANT_BLOCK)
+    return shape, (rows, cols // QUANT_BLOCK)  # FP8_ROWS
+
+
+def skipped_kind(name: str) -> str | None:
+    """``dspark`` / ``vision`` for tensors the text model does not load."""
+    for kind, prefixes in SKIPPED_KINDS.items():
+        if name.startswith(prefixes):
+            return kind
+    return None
+
+
+# ----------------------------------------------------------------- reading
+
+
+@dataclass(frozen=True, slots=True)
+class StoredTensor:
+    """One tensor as the checkpoint stores it (header only, no data read)."""
+
+    name: str
+    dtype: str  # safetensors dtype string: BF16, F32, F8_E4M3, F8_E8M0, I8, ...
+    shape: tuple[int, ...]
+    file: Path
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * _DTYPE_BYTES.get(self.dtype, 1)
+
+
+_DTYPE_BYTES = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "BF16": 2, "F16": 2, "I16": 2}
+
+
+def weight_map(path: str | Path) -> dict[str, Path]:
+    """Tensor name -> file, from the shard index or the single file's header."""
+    path = Path(path)
+    index = path / INDEX_FILE
+    if index.exists():
+        with open(index, encoding="utf-8") as f:
+            entries = json.load(f)["weight_map"]
+        return {name: path / file for name, file in entries.items()}
+    single = path / SINGLE_FILE
+    if not single.exists():
+        raise FileNotFoundError(f"{path} has neither {INDEX_FILE} nor {SINGLE_FILE}")
+    with safe_open(single, framework="pt", device="cpu") as f:
+        return dict.fromkeys(f.keys(), single)
+
+
+def iter_checkpoint_tensors(path: str | Path) -> Iterator[StoredTensor]:
+    """Every stored tensor (weights and scales) in file order, from headers only."""
+    by_file: dict[Path, list[str]] = {}
+    for name, file in weight_map(path).items():
+        by_file.setdefault(file, []).append(name)
+    for file, names in by_file.items():
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in names:
+                header = f.get_slice(name)
+                yield StoredTensor(name, header.get_dtype(), tuple(header.get_shape()), file)
+
+
+class _Shards:
+    """Open shard handles, opened on first use and closed together."""
+
+    def __init__(self, files: dict[str, Path]) -> None:
+        self._files = files
+        self._open: dict[Path, object] = {}
+        self._stack = ExitStack()
+
+    def __enter__(self) -> _Shards:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+    def _handle(self, name: str):  # safetensors has no public type for its handle
+        file = self._files[name]
+        if file not in self._open:
+            self._open[file] = self._stack.enter_context(
+                safe_open(file, framework="pt", device="cpu")
+            )
+        return self._open[file]
+
+    def header(self, name: str) -> tuple[str, tuple[int, ...]]:
+        header = self._handle(name).get_slice(name)
+        return header.get_dtype(), tuple(header.get_shape())
+
+    def read(self, name: str) -> torch.Tensor:
+        return self._handle(name).get_tensor(name)
+
+
+# ----------------------------------------------------------------- planning
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    name: str
+    quantised: WeightFormat | None  # None: stored as a plain float tensor
+
+
+def _check(name: str, found: tuple[int, ...], expected: tuple[int, ...], what: str) -> None:
+    if found != expected:
+        raise CheckpointError(name, f"has shape {list(found)}, expected {list(expected)} ({what})")
+
+
+def _plan(
+    targets: dict[str, torch.Tensor], files: dict[str, Path], shards: _Shards
+) -> tuple[list[_Entry], dict[str, int]]:
+    """Validate names, dtypes and shapes from headers before any data is read."""
+    skipped: dict[str, int] = {}
+    loadable = set()
+    for name in files:
+        kind = skipped_kind(name)
+        if kind is None:
+            loadable.add(name)
+        else:
+            skipped[kind] = skipped.get(kind, 0) + 1
+    scales = {scale_name(n) for n in targets if (f := weight_format(n)) and f.quantised}
+    unexpected = sorted(loadable - targets.keys() - scales)
+    if unexpected:
+        raise CheckpointError(
+            unexpected[0],
+            f"unexpected in the checkpoint, no such model tensor ({len(unexpected)} in all)",
+        )
+    missing = [name for name in targets if name not in loadable]
+    if missing:
+        raise CheckpointError(
+            missing[0],
+            f"missing from the checkpoint, expected shape {list(targets[missing[0]].shape)} "
+            f"({len(missing)} missing in all)",
+        )
+
+    entries = []
+    for name, target in targets.items():
+        fmt = weight_format(name)
+        shape = tuple(target.shape)
+        dtype, found = shards.header(name)
+        scale = scale_name(name)
+        if dtype in _FLOAT_DTYPES:
+            # Plain storage is always accepted (e.g. a BF16 re-export of an FP8 weight).
+            if scale in loadable:
+                raise CheckpointError(scale, f"unexpected: `{name}` is stored as {dtype}")
+            _check(name, found, shape, f"stored as {dtype}")
+            entries.append(_Entry(name, None))
+            continue
+        if fmt is None or not fmt.quantised:
+            raise CheckpointError(name, f"stored as {dtype}, expected a float dtype")
+        if scale not in loadable:
+            raise CheckpointError(scale, f"missing: `{name}` is stored as {dtype}")
+        want_weight, want_scale = stored_shapes(fmt, shape)
+        _check(name, found, want_weight, f"{fmt.value} of logical shape {list(shape)}")
+        _, scale_found = shards.header(scale)
+        assert want_scale is not None
+        _check(scale, scale_found, want_scale, f"E8M0 scales of {fmt.value}")
+        entries.append(_Entry(name, fmt))
+    return entries, skipped
+
+
+# ----------------------------------------------------------------- loading
+
+
+def dequantize(
+    fmt: WeightFormat | None, weight: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """The logical tensor from its stored form (``fmt`` None: plain float), in ``dtype``."""
+    if fmt is WeightFormat.FP8_BLOCK:
+        return dequantize_fp8_block(weight, scale, dtype)
+    if fmt is WeightFormat.MXFP4:
+        return dequantize_mxfp4_weight(weight, scale, dtype)
+    if fmt is WeightFormat.FP8_ROWS:
+        return dequantize_fp8_rows(weight, scale, dtype)
+    return weight.to(dtype)
+
+
+# Random initialisers a module constructor may call; see ``skip_init``.
+_INITIALISERS = (
+    "uniform_",
+    "normal_",
+    "trunc_normal_",
+    "constant_",
+    "ones_",
+    "zeros_",
+    "xavier_uniform_",
+    "xavier_normal_",
+    "kaiming_uniform_",
+    "kaiming_normal_",
+    "orthogonal_",
+)
+
+
+@contextmanager
+def skip_init() -> Iterator[None]:
+    """Construct modules without running ``torch.nn.init`` on their parameters.
+
+    Parameters about to be overwritten by a checkpoint (or never materialised,
+    on ``meta``) need no random values; initialising them costs as much as
+    loading (nn.Linear's kaiming init dominates building the official model).
+    """
+    saved = {name: getattr(nn.init, name) for name in _INITIALISERS}
+    for name in _INITIALISERS:
+        setattr(nn.init, name, _keep)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
+
+
+def _keep(tensor: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+    return tensor
+
+
+def empty_model(
+    config: ModelConfig, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> DeepseekV41:
+    """``DeepseekV41`` on ``device`` with uninitialised parameters in ``dtype``.
+
+    Each parameter is allocated once and filled by the loader; buffers (RoPE
+    frequencies) are computed by the constructor as usual. Parameters the model
+    declares in an explicit dtype (mHC coefficients, sinks) keep it.
+    """
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with skip_init(), torch.device(device):
+            return DeepseekV41(config)
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def set_engram_vocab(model: DeepseekV41, config: ModelConfig, tokenizer_file: Path) -> None:
+    """Give the model the token -> Engram class map of the checkpoint's own tokenizer.
+
+    The hash multipliers derive from ``engram_compressed_vocab_size``, so a
+    tokenizer that folds to another class count would silently rehash every
+    n-gram: that is an error.
+    """
+    class_of, n_classes = build_compressed_vocab(load_tokenizer(tokenizer_file))
+    if n_classes != config.engram_compressed_vocab_size:
+        raise ValueError(
+            f"{tokenizer_file}: folds to {n_classes} Engram classes, but config "
+            f"engram_compressed_vocab_size is {config.engram_compressed_vocab_size}"
+        )
+    model.set_compressed_vocab(class_of)
+
+
+def load_checkpoint(
+    path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> tuple[ModelConfig, DeepseekV41]:
+    """Read ``config.json``, the weights and the Engram vocabulary of ``path`` into a model."""
+    path = Path(path)
+    config = ModelConfig.from_json(path / "config.json")
+    files = weight_map(path)
+    model = empty_model(config, dtype=dtype, device=device)
+    targets = model.state_dict(keep_vars=True)
+    with _Shards(files) as shards, torch.no_grad():
+        entries, skipped = _plan(targets, files, shards)
+        for entry in entries:
+            target = targets[entry.name]
+            weight = shards.read(entry.name)
+            scale = shards.read(scale_name(entry.name)) if entry.quantised else None
+            # Dequantise in fp32 on the CPU, round once into the parameter's dtype.
+            value = dequantize(entry.quantised, weight, scale, torch.float32)
+            target.copy_(value.to(target.dtype))
+    for kind, count in sorted(skipped.items()):
+        logger.info("checkpoint %s: skipped %d %s tensors (not served)", path, count, kind)
+    if config.engram_layer_ids:
+        if (path / TOKENIZER_FILE).exists():
+            set_engram_vocab(model, config, path / TOKENIZER_FILE)
+        else:
+            logger.warning("%s has no %s: Engram token classes left unset", path, TOKENIZER_FILE)
+    return config, model

