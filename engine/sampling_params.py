@@ -1,0 +1,112 @@
+"""Per-request sampling parameters and the structured-output hook.
+
+The server validates user input (pydantic) and builds one ``SamplingParams`` per
+request; ``validate`` only re-checks the invariants the sampler and detokenizer
+rely on. Semantics of each field, and the order the sampler applies them in, are
+in docs/design/engine.md, "Sampling".
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+# OpenAI caps `top_logprobs` at 20.
+MAX_TOP_LOGPROBS = 20
+# Below this, dividing by the temperature overflows: such requests are greedy (as vLLM).
+GREEDY_TEMPERATURE = 1e-5
+
+
+class TokenMaskProvider(Protocol):
+    """Constrains one sequence's next token (a grammar matcher, e.g. xgrammar).
+
+    One provider per sequence: it holds that sequence's parse state. The sampler
+    only calls ``allowed_tokens``; whoever appends the sampled token to the
+    sequence calls ``accept`` (so rejected or discarded tokens never advance it)
+    and finishes the sequence once ``is_terminated``.
+    """
+
+    def allowed_tokens(self) -> torch.Tensor | None:
+        """Allowed next tokens: bool ``[V']`` or an int32 bitmask ``[ceil(V'/32)]``.
+
+        Bit ``j`` of word ``i`` allows token ``32 i + j`` (xgrammar's layout).
+        Tokens at or beyond ``V'`` are disallowed. ``None``: no constraint now.
+        """
+        ...
+
+    def accept(self, token_id: int) -> None:
+        """Advance the parse state past ``token_id``."""
+        ...
+
+    def is_terminated(self) -> bool:
+        """The grammar is complete; the sequence must end."""
+        ...
+
+
+def _check(ok: bool, field_name: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"SamplingParams.{field_name}: {message}")
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick each next token and when to stop (OpenAI/vLLM semantics)."""
+
+    temperature: float = 1.0  # 0 (below 1e-5) = greedy
+    top_p: float = 1.0  # 1 = off
+    top_k: int = -1  # -1 or 0 = off
+    min_p: float = 0.0  # 0 = off
+    presence_penalty: float = 0.0  # on output tokens only
+    frequency_penalty: float = 0.0  # on output tokens only
+    repetition_penalty: float = 1.0  # on prompt and output tokens; 1 = off
+    seed: int | None = None
+    logprobs: int | None = None  # None = off; k = also return the top k
+    logit_bias: dict[int, float] | None = None
+    ignore_eos: bool = False
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    n: int = 1
+    mask_provider: TokenMaskProvider | None = None
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise ``ValueError`` naming the field if an invariant does not hold."""
+        _check(math.isfinite(self.temperature) and self.temperature >= 0, "temperature", ">= 0")
+        _check(0.0 < self.top_p <= 1.0, "top_p", "in (0, 1]")
+        _check(self.top_k >= -1, "top_k", ">= -1")
+        _check(0.0 <= self.min_p <= 1.0, "min_p", "in [0, 1]")
+        _check(math.isfinite(self.presence_penalty), "presence_penalty", "finite")
+        _check(math.isfinite(self.frequency_penalty), "frequency_penalty", "finite")
+        _check(
+            math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0,
+            "repetition_penalty",
+            "> 0",
+        )
+        _check(
+            self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
+            "logprobs",
+            f"None or in [0, {MAX_TOP_LOGPROBS}]",
+        )
+        _check(self.max_tokens >= 1, "max_tokens", ">= 1")
+        _check(0 <= self.min_tokens <= self.max_tokens, "min_tokens", "in [0, max_tokens]")
+        _check(all(s for s in self.stop), "stop", "no empty strings")
+        _check(self.n >= 1, "n", ">= 1")
+        ids = list(self.stop_token_ids) + list(self.logit_bias or {})
+        _check(all(i >= 0 for i in ids), "stop_token_ids/logit_bias", "token ids >= 0")
+        if vocab_size is not None:
+            _check(all(i < vocab_size for i in ids), "stop_token_ids/logit_bias", "ids < vocab")
+        _check(
+            all(math.isfinite(b) for b in (self.logit_bias or {}).values()),
+            "logit_bias",
+            "finite values",
+        )
+
+    @property
+    def greedy(self) -> bool:
+        """Argmax sampling (temperature 0, or too small to divide by)."""
+        return self.temperature < GREEDY_TEMPERATURE
