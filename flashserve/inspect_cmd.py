@@ -1,0 +1,110 @@
+"""``flashserve inspect``: parameter and KV byte accounting of a config or checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+NAME = "inspect"
+HELP = "print parameter counts, KV bytes and layer roles of a config or checkpoint"
+
+_SUMMARY = (
+    "params_total",
+    "params_backbone",
+    "params_engram",
+    "params_active_prefill",
+    "params_active_decode",
+    "global_kv_bytes_per_token",
+    "persistent_kv_bytes_per_token",
+    "swa_kv_bytes_per_request",
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "model", help="`tiny`, `official`, a config.json, or a checkpoint directory"
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def checkpoint_summary(path: Path) -> dict[str, Any]:
+    """What a checkpoint directory stores: tensors and bytes per dtype, skipped kinds."""
+    from engine.checkpoint import iter_checkpoint_tensors, skipped_kind
+
+    by_dtype: dict[str, dict[str, int]] = {}
+    skipped: dict[str, int] = {}
+    count = 0
+    for tensor in iter_checkpoint_tensors(path):
+        count += 1
+        entry = by_dtype.setdefault(tensor.dtype, {"tensors": 0, "bytes": 0})
+        entry["tensors"] += 1
+        entry["bytes"] += tensor.nbytes
+        kind = skipped_kind(tensor.name)
+        if kind is not None:
+            skipped[kind] = skipped.get(kind, 0) + 1
+    return {
+        "tensors": count,
+        "bytes": sum(e["bytes"] for e in by_dtype.values()),
+        "by_dtype": by_dtype,
+        "skipped": skipped,
+    }
+
+
+def report(model: str) -> dict[str, Any]:
+    """The JSON object ``inspect --json`` prints."""
+    from engine.accounting import account
+    from engine.checkpoint import INDEX_FILE, SINGLE_FILE
+    from engine.model.config import ModelConfig
+
+    config = ModelConfig.preset(model)
+    out: dict[str, Any] = {"model": model, **account(config).to_dict()}
+    path = Path(model)
+    if path.is_dir() and ((path / SINGLE_FILE).exists() or (path / INDEX_FILE).exists()):
+        out["checkpoint"] = checkpoint_summary(path)
+    return out
+
+
+def _human(n: float) -> str:
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(n)
+
+
+def format_report(data: dict[str, Any]) -> str:
+    """A readable table of ``report``'s numbers and the per-layer roles."""
+    lines = [f"model: {data['model']}  (CED boundary: layer {data['ced_boundary']})", ""]
+    for key in _SUMMARY:
+        lines.append(f"{key:<32}{data[key]:>20,}  ({_human(data[key])})")
+    lines += [
+        "",
+        f"{'layer':>5} {'role':<9} {'ratio':>5} {'S(l)':>5} {'I(l)':>5} "
+        f"{'engram':<6} {'stage':<8} {'params':>16} {'active':>16}",
+    ]
+    for row in data["layers"]:
+        lines.append(
+            f"{row['layer']:>5} {row['role']:<9} {row['compress_ratio']:>5} "
+            f"{_dash(row['kv_source']):>5} {_dash(row['index_source']):>5} "
+            f"{'yes' if row['engram'] else '':<6} {row['stage']:<8} "
+            f"{row['params']:>16,} {row['params_active']:>16,}"
+        )
+    if "checkpoint" in data:
+        ckpt = data["checkpoint"]
+        lines += ["", f"checkpoint: {ckpt['tensors']} tensors, {ckpt['bytes']:,} bytes"]
+        for dtype, entry in sorted(ckpt["by_dtype"].items()):
+            lines.append(f"  {dtype:<8} {entry['tensors']:>8} tensors {entry['bytes']:>20,} bytes")
+        for kind, count in sorted(ckpt["skipped"].items()):
+            lines.append(f"  skipped when loading: {count} {kind} tensors")
+    return "\n".join(lines)
+
+
+def _dash(value: int | None) -> str:
+    return "-" if value is None else str(value)
+
+
+def run(args: argparse.Namespace) -> int:
+    data = report(args.model)
+    print(json.dumps(data, indent=2) if args.json else format_report(data))
+    return 0

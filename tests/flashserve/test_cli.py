@@ -1,0 +1,97 @@
+"""The ``flashserve`` console script: ``inspect`` and ``make-tiny``."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flashserve.cli import main
+
+
+def _inspect_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict:
+    assert main(["inspect", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def _check_official(data: dict) -> None:
+    assert data["global_kv_bytes_per_token"] == 890
+    assert data["persistent_kv_bytes_per_token"] == 890
+    assert data["swa_kv_bytes_per_request"] == 128 * 528 * 40
+    assert abs(data["params_active_prefill"] / 8e9 - 1) < 0.10
+    assert abs(data["params_active_decode"] / 16e9 - 1) < 0.10
+    assert abs(data["params_backbone"] / 552e9 - 1) < 0.05
+    assert data["ced_boundary"] == 20
+    roles = [row["role"] for row in data["layers"]]
+    assert len(roles) == 40
+    assert [i for i, r in enumerate(roles) if r == "full"] == [2, 8, 14, 20]
+    assert [i for i, r in enumerate(roles) if r == "reindex"] == [24, 28, 32, 36]
+    assert roles[:2] == ["swa_only", "swa_only"]
+
+
+def test_inspect_official_json(capsys: pytest.CaptureFixture[str]) -> None:
+    _check_official(_inspect_json(capsys, "official"))
+
+
+def test_inspect_tiny_table(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inspect", "tiny"]) == 0
+    out = capsys.readouterr().out
+    assert "global_kv_bytes_per_token" in out
+    assert "534" in out  # 356 / 2 (layer 2, ratio 2) + 356 (layer 4, ratio 1)
+    layer_rows = [
+        line for line in out.splitlines() if line.split()[:2] in (["4", "full"], ["6", "reindex"])
+    ]
+    assert len(layer_rows) == 2
+
+
+def test_make_tiny_then_inspect_the_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "tiny"
+    assert main(["make-tiny", "--out", str(out), "--seed", "1"]) == 0
+    assert capsys.readouterr().out.strip() == str(out)
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        assert (out / name).exists(), name
+    data = _inspect_json(capsys, str(out))
+    tiny = _inspect_json(capsys, "tiny")
+    assert {k: v for k, v in data.items() if k not in ("model", "checkpoint")} == {
+        k: v for k, v in tiny.items() if k != "model"
+    }
+    ckpt = data["checkpoint"]
+    assert set(ckpt["by_dtype"]) == {"BF16", "F32", "F8_E4M3", "F8_E8M0", "I8"}
+    assert ckpt["skipped"] == {}
+    file_bytes = (out / "model.safetensors").stat().st_size
+    assert 0 < file_bytes - ckpt["bytes"] < 200_000  # the rest is the JSON header
+
+
+def test_no_command_prints_help(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([]) == 2
+    assert "inspect" in capsys.readouterr().out
+
+
+def test_inspect_official_in_a_subprocess() -> None:
+    """The installed console script if there is one, else the same entry point via python."""
+    script = shutil.which("flashserve") or (
+        str(Path(sys.executable).parent / "flashserve")
+        if (Path(sys.executable).parent / "flashserve").exists()
+        else None
+    )
+    cmd = (
+        [script]
+        if script
+        else [sys.executable, "-c", "from flashserve.cli import main; raise SystemExit(main())"]
+    )
+    done = subprocess.run(
+        [*cmd, "inspect", "official", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).resolve().parents[2],
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    _check_official(json.loads(done.stdout))
