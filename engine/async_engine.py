@@ -1,0 +1,252 @@
+"""The engine's one public face: ``AsyncEngine`` (the only thing ``server/`` imports).
+
+``LLMEngine`` runs in its own thread. The asyncio side only puts commands on a
+thread-safe queue and awaits per-request ``asyncio.Queue``s that the engine
+thread fills with ``loop.call_soon_threadsafe``; it never waits on model
+compute. A request whose consumer goes away (the async iterator is closed or
+its task cancelled) is aborted, and its pages are freed by the engine thread
+before its next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import blake3
+import torch
+
+from engine.engine_config import EngineConfig
+from engine.llm_engine import EngineStats, LLMEngine
+from engine.model.engram import build_compressed_vocab
+from engine.model.model import DeepseekV41
+from engine.request import Request, RequestOutput
+from engine.tokenizer import TOKENIZER_FILE, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+# How long the idle engine thread sleeps on its inbox before checking for shutdown.
+_IDLE_WAIT_S = 0.5
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped (shut down, or a step raised)."""
+
+
+@dataclass(slots=True)
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput | BaseException]
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        # RuntimeError: the consumer's loop is closed, so nobody is listening.
+        with contextlib.suppress(RuntimeError):
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+@dataclass(slots=True)
+class _Add:
+    request: Request
+    stream: _Stream
+
+
+@dataclass(slots=True)
+class _Abort:
+    request_id: str
+
+
+class AsyncEngine:
+    """``generate`` / ``abort`` / ``stats`` / ``shutdown`` over an engine thread."""
+
+    def __init__(
+        self,
+        engine_config: EngineConfig,
+        model: str | Path = "tiny",
+        *,
+        engine: LLMEngine | None = None,
+    ) -> None:
+        """Load ``model`` ("tiny" = a seeded random tiny model, or a checkpoint
+        directory) and start the engine thread. ``engine``: use a prebuilt engine."""
+        self.config = engine_config
+        self.engine = engine if engine is not None else build_engine(engine_config, model)
+        self._inbox: queue.Queue[_Add | _Abort | None] = queue.Queue()
+        self._streams: dict[str, _Stream] = {}  # engine thread only
+        self._active: set[str] = set()  # request ids between generate() and their end
+        self._lock = threading.Lock()  # guards _active, _stats, _error
+        self._stats = self.engine.stats()
+        self._error: BaseException | None = None
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="flashserve-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ public API
+    async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
+        """Stream ``request``'s outputs; the last one has ``finished=True``.
+
+        Raises ``ValueError`` for a request that can never run and
+        ``EngineDeadError`` if the engine thread has stopped.
+        """
+        self.engine.validate(request)  # configuration only: safe from this thread
+        rid = request.request_id
+        with self._lock:
+            if self._error is not None or self._stopping.is_set():
+                raise EngineDeadError("the engine is not running") from self._error
+            if rid in self._active:
+                raise ValueError(f"request id {rid!r} is already in flight")
+            self._active.add(rid)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._inbox.put(_Add(request, stream))
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            # Closed early, cancelled, or failed: the engine must let go of it.
+            if not finished:
+                self._inbox.put(_Abort(rid))
+            with self._lock:
+                self._active.discard(rid)
+
+    def abort(self, request_id: str) -> None:
+        """Abort from any thread; a consumer still iterating gets finish reason ``abort``."""
+        self._inbox.put(_Abort(request_id))
+
+    def stats(self) -> EngineStats:
+        """The snapshot taken after the engine thread's latest step (never blocks on compute)."""
+        with self._lock:
+            return self._stats
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and self._error is None
+
+    def shutdown(self, timeout: float | None = 30.0) -> None:
+        """Stop the engine thread, end open streams with ``EngineDeadError``, flush KV."""
+        self._stopping.set()
+        self._inbox.put(None)
+        self._thread.join(timeout)
+        self.engine.close()
+
+    # ------------------------------------------------------------ engine thread
+    def _run(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                self._drain(block=not self.engine.has_unfinished_requests())
+                if self._stopping.is_set():
+                    break
+                if self.engine.has_unfinished_requests():
+                    self._deliver(self.engine.step())
+                self._snapshot()
+        except BaseException as exc:  # a failed step poisons every stream
+            logger.exception("engine thread failed")
+            with self._lock:
+                self._error = exc
+            self._fail_streams(EngineDeadError(f"engine step failed: {exc!r}"))
+            return
+        self._fail_streams(EngineDeadError("the engine was shut down"))
+
+    def _drain(self, block: bool) -> None:
+        """Apply queued commands; wait for one first if the engine is idle."""
+        try:
+            cmd = self._inbox.get(timeout=_IDLE_WAIT_S) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while cmd is not None:
+            self._apply(cmd)
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _apply(self, cmd: _Add | _Abort) -> None:
+        if isinstance(cmd, _Add):
+            rid = cmd.request.request_id
+            try:
+                self.engine.add_request(cmd.request)
+            except Exception as exc:  # validated already; anything left is a bug to report
+                cmd.stream.put(exc)
+                return
+            self._streams[rid] = cmd.stream
+        else:
+            # Frees pages now; the final "abort" output comes with the next step.
+            self.engine.abort(cmd.request_id)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            stream.put(out)
+            if out.finished:
+                del self._streams[out.request_id]
+
+    def _snapshot(self) -> None:
+        stats = self.engine.stats()
+        with self._lock:
+            self._stats = stats
+
+    def _fail_streams(self, error: BaseException) -> None:
+        for stream in self._streams.values():
+            stream.put(error)
+        self._streams.clear()
+
+
+# ---------------------------------------------------------------- building
+
+
+def build_engine(config: EngineConfig, model: str | Path) -> LLMEngine:
+    """Model, tokenizer and engine for ``model`` ("tiny" or a checkpoint directory)."""
+    if str(model) == "tiny":
+        net, model_id = _tiny_model(config), f"tiny-random-seed{config.seed}"
+        tokenizer = load_tokenizer()
+    else:
+        from engine.checkpoint import load_checkpoint
+
+        path = Path(model)
+        _, net = load_checkpoint(path, dtype=config.torch_dtype, device=config.device)
+        has_own = (path / TOKENIZER_FILE).is_file()
+        tokenizer = load_tokenizer(path if has_own else None)
+        model_id = checkpoint_fingerprint(path)
+    # Engram's token -> class map comes from the tokenizer, not the weights.
+    vocab_map, _ = build_compressed_vocab(tokenizer)
+    net.set_compressed_vocab(vocab_map.to(net.engram_vocab_map.device))
+    torch.manual_seed(config.seed)  # the global RNG of unseeded sampling
+    return LLMEngine.build(config, net.eval(), tokenizer=tokenizer, model_id=model_id)
+
+
+def _tiny_model(config: EngineConfig) -> DeepseekV41:
+    from engine.model.config import ModelConfig
+
+    net = DeepseekV41(ModelConfig.tiny())
+    net.init_weights(torch.Generator().manual_seed(config.seed))
+    return net.to(device=config.device, dtype=config.torch_dtype)
+
+
+def checkpoint_fingerprint(path: Path, sample_bytes: int = 1 << 20) -> str:
+    """Identity of a checkpoint's weights for the KV layout: pages of other weights never mix.
+
+    Hashes config.json and, per weight file, its name, size and first and last
+    ``sample_bytes`` (cheap even for hundreds of GB, and two random checkpoints
+    differ in their first bytes of data).
+    """
+    h = blake3.blake3((path / "config.json").read_bytes())
+    for file in sorted(path.glob("*.safetensors")):
+        size = file.stat().st_size
+        h.update(f"{file.name}:{size}".encode())
+        with open(file, "rb") as f:
+            h.update(f.read(sample_bytes))
+            f.seek(max(0, size - sample_bytes))
+            h.update(f.read(sample_bytes))
+    return h.hexdigest(length=16)

@@ -1,0 +1,63 @@
+"""Engine settings: one dataclass, one field per command-line flag of ``flashserve serve``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """How the engine schedules, stores KV and runs the model (docs/design/engine.md)."""
+
+    max_num_seqs: int = 64  # sequences admitted at once (running)
+    max_num_batched_tokens: int = 2048  # rows charged per step: one per decode, chunk rows
+    prefill_chunk_tokens: int = 512  # encoder rows of one sequence's prefill per step
+    page_tokens: int = 64  # tokens per KV page (a multiple of every compress ratio)
+    kv_cache_bytes: int = 1 << 30  # device tier budget
+    kv_dir: str | Path | None = None  # SSD tier directory; None = no persistent tier
+    kv_dir_bytes: int | None = None  # SSD tier budget; None = unbounded
+    replay_tokens: int | None = None  # W of bounded replay; None = the model's sliding_window
+    enable_ced: bool = True  # False = full-depth prefill (--disable-ced)
+    kv_dtype: Literal["fp4", "bf16"] = "fp4"  # stored global KV; bf16 is the ablation
+    device: str = "cpu"
+    dtype: str = "float32"  # compute dtype of the weights
+    max_model_len: int | None = None  # prompt + output cap; None = the model's max positions
+    runner: Literal["paged", "reference"] = "paged"  # reference = dense oracle (debugging)
+    seed: int = 0  # weights of the random tiny model; global sampling RNG
+
+    def __post_init__(self) -> None:
+        for name in (
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "prefill_chunk_tokens",
+            "page_tokens",
+            "kv_cache_bytes",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.replay_tokens is not None and self.replay_tokens < 1:
+            raise ValueError("EngineConfig.replay_tokens must be >= 1 (or None)")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError("EngineConfig.max_model_len must be >= 2 (or None)")
+        if self.kv_dtype not in ("fp4", "bf16"):
+            raise ValueError(f"EngineConfig.kv_dtype must be 'fp4' or 'bf16', got {self.kv_dtype}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"EngineConfig.dtype must be one of {sorted(_DTYPES)}")
+        if self.runner not in ("paged", "reference"):
+            raise ValueError(
+                f"EngineConfig.runner must be 'paged' or 'reference', got {self.runner}"
+            )
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    def replay_window(self, sliding_window: int) -> int:
+        """W: the configured replay window, or the model's sliding window."""
+        return self.replay_tokens or sliding_window

@@ -1,0 +1,450 @@
+"""The engine loop: schedule -> run -> sample -> append, detokenize, stop -> commit, free.
+
+``LLMEngine`` is synchronous and single-threaded; ``AsyncEngine`` runs it in
+its own thread. Where a token is born: ``step``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from tokenizers import Tokenizer
+
+from engine.detokenizer import IncrementalDetokenizer, check_stop_token
+from engine.engine_config import EngineConfig
+from engine.model.model import DeepseekV41
+from engine.model.reference import KVPrecision
+from engine.request import (
+    CompletionOutput,
+    Request,
+    RequestMetrics,
+    RequestOutput,
+    TokenLogprob,
+    Usage,
+)
+from engine.runner import ModelRunner, StepBatch
+from engine.sampler import Sampler, SeqHistory, make_generator
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence, SequenceStatus
+from kvstore.layout import kv_layout
+from kvstore.manager import KVCacheManager
+from kvstore.stats import KVStats
+
+EOS_TOKEN_ID = 1  # the DeepSeek tokenizer's EOS (ARCHITECTURE 1.1)
+
+
+@dataclass(slots=True)
+class EngineCounters:
+    """Cumulative counters for metrics (names are documented in docs/design/engine.md)."""
+
+    steps: int = 0
+    requests_added: int = 0
+    requests_finished: int = 0
+    finished: dict[str, int] = field(default_factory=dict)  # choices, by finish reason
+    prefill_rows: int = 0  # encoder rows of prefill chunks (replayed rows included)
+    decode_rows: int = 0
+    generation_tokens: int = 0
+    prompt_tokens: int = 0
+    prompt_cache_hit_tokens: int = 0
+    replay_tokens: int = 0
+    step_seconds: float = 0.0  # wall time inside ``step``
+    execute_seconds: float = 0.0  # of which inside ``runner.execute``
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """A snapshot for ``/metrics`` and ``stats()``."""
+
+    running: int
+    waiting: int
+    preemptions: int
+    kv: KVStats
+    counters: EngineCounters
+
+
+@dataclass(slots=True)
+class _Choice:
+    """Per-sequence output state; ``pending_*`` is what the next output carries."""
+
+    seq: Sequence
+    detok: IncrementalDetokenizer | None
+    generator: torch.Generator | None
+    pending_text: str = ""
+    pending_ids: list[int] = field(default_factory=list)
+    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+    reported_finish: bool = False
+
+
+@dataclass(slots=True)
+class _RequestState:
+    request: Request
+    choices: list[_Choice]
+
+    @property
+    def finished(self) -> bool:
+        return all(c.seq.is_finished for c in self.choices)
+
+
+class LLMEngine:
+    """Continuous batching over one model runner and one KV cache manager."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        runner: ModelRunner,
+        kv: KVCacheManager,
+        *,
+        vocab_size: int,
+        sliding_window: int,
+        max_position_embeddings: int,
+        tokenizer: Tokenizer | None = None,
+        eos_token_id: int | None = EOS_TOKEN_ID,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.runner = runner
+        self.kv = kv
+        self.tokenizer = tokenizer
+        self.eos_token_id = eos_token_id
+        self.vocab_size = vocab_size
+        self.max_model_len = config.max_model_len or max_position_embeddings
+        self.replay_tokens = config.replay_window(sliding_window)
+        self.scheduler = Scheduler(config, kv, self.replay_tokens, runner.release, clock)
+        self.sampler = Sampler(eos_token_id)
+        self.counters = EngineCounters()
+        self._clock = clock
+        self._requests: dict[str, _RequestState] = {}
+        self._seq_ids = itertools.count()
+        self._pending_outputs: list[RequestOutput] = []
+
+    @classmethod
+    def build(
+        cls,
+        config: EngineConfig,
+        model: DeepseekV41,
+        *,
+        tokenizer: Tokenizer | None = None,
+        model_id: str = "",
+        eos_token_id: int | None = EOS_TOKEN_ID,
+    ) -> LLMEngine:
+        """KV cache manager and runner for ``model`` as ``config`` asks."""
+        mc = model.config
+        layout = kv_layout(
+            mc.kv_source_layer_ids,
+            mc.compress_ratios,
+            config.page_tokens,
+            config.kv_dtype,
+            model_id,
+        )
+        kv = KVCacheManager(
+            layout, config.kv_cache_bytes, config.device, config.kv_dir, config.kv_dir_bytes
+        )
+        runner: ModelRunner
+        if config.runner == "reference":
+            from engine.reference_runner import ReferenceRunner
+
+            runner = ReferenceRunner(model, kv, KVPrecision(global_kv=config.kv_dtype))
+        else:
+            from engine.model_runner import PagedModelRunner
+
+            runner = PagedModelRunner(model, kv, config.max_num_seqs)
+        return cls(
+            config,
+            runner,
+            kv,
+            vocab_size=mc.vocab_size,
+            sliding_window=mc.sliding_window,
+            max_position_embeddings=mc.max_position_embeddings,
+            tokenizer=tokenizer,
+            eos_token_id=eos_token_id,
+        )
+
+    # ------------------------------------------------------------ requests
+    def validate(self, request: Request) -> None:
+        """Raise ``ValueError`` if ``request`` can never run; reads configuration only."""
+        params = request.sampling_params
+        params.validate(self.vocab_size)
+        prompt = request.prompt_token_ids
+        if not prompt:
+            raise ValueError("prompt_token_ids: the prompt is empty")
+        if any(not 0 <= t < self.vocab_size for t in prompt):
+            raise ValueError(f"prompt_token_ids: ids must lie in [0, {self.vocab_size})")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(
+                f"prompt_token_ids: {len(prompt)} tokens leave no room under "
+                f"max_model_len={self.max_model_len}"
+            )
+        if self.scheduler.pages_needed(len(prompt)) > self.kv.num_pages:
+            raise ValueError(
+                f"prompt_token_ids: {len(prompt)} tokens need more KV pages than the cache holds "
+                f"({self.kv.num_pages} pages of {self.kv.page_tokens} tokens)"
+            )
+        if params.stop and self.tokenizer is None:
+            raise ValueError("SamplingParams.stop: stop strings need a tokenizer")
+        if params.n > 1 and params.mask_provider is not None:
+            # A provider holds one sequence's parse state.
+            raise ValueError("SamplingParams.n: a mask provider serves one sequence (n = 1)")
+
+    def add_request(self, request: Request) -> None:
+        assert request.request_id not in self._requests, f"duplicate id {request.request_id!r}"
+        self.validate(request)
+        params = request.sampling_params
+        choices = []
+        for index in range(params.n):
+            seq = Sequence(
+                seq_id=next(self._seq_ids),
+                request_id=request.request_id,
+                token_ids=list(request.prompt_token_ids),
+                num_prompt_tokens=len(request.prompt_token_ids),
+                salt=request.cache_salt,
+                priority=request.priority,
+                arrival=request.arrival_time,
+                index=index,
+            )
+            detok = None
+            if self.tokenizer is not None:
+                detok = IncrementalDetokenizer(
+                    self.tokenizer,
+                    request.prompt_token_ids,
+                    stop=params.stop,
+                    include_stop_str_in_output=params.include_stop_str_in_output,
+                    min_tokens=params.min_tokens,
+                )
+            generator = make_generator(params, index, self.config.device)
+            choices.append(_Choice(seq, detok, generator))
+            self.scheduler.add(seq)
+        self._requests[request.request_id] = _RequestState(request, choices)
+        self.counters.requests_added += 1
+
+    def abort(self, request_id: str) -> bool:
+        """Finish every choice of ``request_id`` now, freeing its pages; False if unknown.
+
+        The final output (finish reason ``abort``) comes with the next ``step``.
+        """
+        state = self._requests.pop(request_id, None)
+        if state is None:
+            return False
+        now = self._clock()
+        for choice in state.choices:
+            seq = choice.seq
+            if seq.is_finished:
+                continue
+            if seq.status is SequenceStatus.RUNNING and not seq.in_prefill:
+                self._commit(seq)  # its written KV stays useful to the prefix cache
+            self.scheduler.finish(seq)
+            seq.finish_reason = "abort"
+            seq.finished = now
+            choice.pending_text = ""  # held-back text is dropped with the request
+        self._pending_outputs.append(self._output(state))
+        self._count_finished(state)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests) or bool(self._pending_outputs)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    # ------------------------------------------------------------ the step
+    def step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
+        outputs, self._pending_outputs = self._pending_outputs, []
+        batch = self.scheduler.schedule()
+        if not batch:
+            return outputs
+        t0 = time.perf_counter()
+        logits = self.runner.execute(batch)
+        self.counters.execute_seconds += time.perf_counter() - t0
+
+        for chunk in batch.prefills:
+            chunk.seq.num_computed = chunk.end
+        for seq in batch.decodes:
+            seq.num_computed = seq.num_tokens
+        sampled = batch.sampled()
+        if sampled:
+            self._sample_and_append(sampled, logits)
+        touched: dict[str, _RequestState] = {}
+        for seq in sampled:
+            self._commit(seq)
+            if seq.finish_reason is not None:
+                self.scheduler.finish(seq)
+            touched[seq.request_id] = self._requests[seq.request_id]
+        for state in touched.values():
+            outputs.append(self._output(state))
+            if state.finished:
+                del self._requests[state.request.request_id]
+                self._count_finished(state)
+        self._count_step(batch)
+        self.counters.step_seconds += time.perf_counter() - started
+        return outputs
+
+    def _sample_and_append(self, seqs: list[Sequence], logits: dict[int, torch.Tensor]) -> None:
+        choices = [self._choice(s) for s in seqs]
+        params = [self._requests[s.request_id].request.sampling_params for s in seqs]
+        histories = [
+            SeqHistory(s.token_ids[: s.num_prompt_tokens], s.output_token_ids) for s in seqs
+        ]
+        out = self.sampler.sample(
+            torch.stack([logits[s.seq_id] for s in seqs]),
+            params,
+            histories,
+            [c.generator for c in choices],
+        )
+        tokens = out.token_ids.tolist()
+        chosen = out.logprobs.tolist()
+        now = self._clock()
+        for row, (choice, p) in enumerate(zip(choices, params, strict=True)):
+            logprob = None
+            if p.logprobs is not None:
+                top = out.top_logprobs[row] if out.top_logprobs is not None else []
+                logprob = TokenLogprob(tokens[row], chosen[row], top)
+            self._append(choice, p, tokens[row], logprob, now)
+
+    def _append(
+        self,
+        choice: _Choice,
+        params: SamplingParams,
+        token: int,
+        logprob: TokenLogprob | None,
+        now: float,
+    ) -> None:
+        """One sampled token: record it, stream its text, decide whether the choice ends."""
+        seq = choice.seq
+        seq.token_ids.append(token)
+        if seq.first_token is None:
+            seq.first_token = now
+        seq.last_token = now
+        choice.pending_ids.append(token)
+        if logprob is not None:
+            choice.pending_logprobs.append(logprob)
+        if params.mask_provider is not None:
+            params.mask_provider.accept(token)
+
+        reason = check_stop_token(token, params, self.eos_token_id)
+        if reason is not None:
+            seq.finish_reason, seq.stop_reason = reason, token
+        elif choice.detok is not None:
+            # A stop token's own text never reaches the output.
+            delta = choice.detok.push(token)
+            choice.pending_text += delta.text
+            if delta.stopped:
+                seq.finish_reason, seq.stop_reason = "stop", delta.stop_reason
+        if seq.finish_reason is None:
+            if params.mask_provider is not None and params.mask_provider.is_terminated():
+                seq.finish_reason = "stop"
+            elif (
+                seq.num_output_tokens >= params.max_tokens
+                or seq.num_tokens >= self.max_model_len
+                # The next decode would need more pages than the whole pool.
+                or self.scheduler.pages_needed(seq.num_tokens) > self.kv.num_pages
+            ):
+                seq.finish_reason = "length"
+        if seq.finish_reason is not None and choice.detok is not None:
+            choice.pending_text += choice.detok.flush()
+
+    def _commit(self, seq: Sequence) -> None:
+        """Cache the sequence's newly full pages (rows whose KV the runner wrote)."""
+        self.kv.commit_full_pages(seq.seq_id, seq.token_ids[: seq.num_computed], seq.salt)
+
+    # ------------------------------------------------------------ outputs
+    def _choice(self, seq: Sequence) -> _Choice:
+        return self._requests[seq.request_id].choices[seq.index]
+
+    def _output(self, state: _RequestState) -> RequestOutput:
+        wants_logprobs = state.request.sampling_params.logprobs is not None
+        outputs = []
+        for c in state.choices:
+            finishing = c.seq.finish_reason is not None and not c.reported_finish
+            if not (c.pending_ids or c.pending_text or finishing):
+                continue
+            outputs.append(
+                CompletionOutput(
+                    index=c.seq.index,
+                    text=c.pending_text,
+                    token_ids=c.pending_ids,
+                    logprobs=c.pending_logprobs if wants_logprobs else None,
+                    finish_reason=c.seq.finish_reason,
+                    stop_reason=c.seq.stop_reason,
+                )
+            )
+            c.pending_text, c.pending_ids, c.pending_logprobs = "", [], []
+            c.reported_finish = c.reported_finish or finishing
+        return RequestOutput(
+            request_id=state.request.request_id,
+            outputs=outputs,
+            finished=state.finished,
+            usage=self._usage(state),
+            metrics=self._metrics(state),
+        )
+
+    @staticmethod
+    def _usage(state: _RequestState) -> Usage:
+        seqs = [c.seq for c in state.choices]
+        prompt = len(state.request.prompt_token_ids)
+        hit = seqs[0].prompt_hit_tokens
+        return Usage(
+            prompt_tokens=prompt,
+            completion_tokens=sum(s.num_output_tokens for s in seqs),
+            prompt_cache_hit_tokens=hit,
+            prompt_cache_miss_tokens=prompt - hit,
+            prompt_device_hit_tokens=seqs[0].prompt_device_hit_tokens,
+            prompt_ssd_hit_tokens=seqs[0].prompt_ssd_hit_tokens,
+            replay_tokens=sum(s.replay_tokens for s in seqs),
+        )
+
+    @staticmethod
+    def _metrics(state: _RequestState) -> RequestMetrics:
+        seqs = [c.seq for c in state.choices]
+
+        def first(values: list[float | None]) -> float | None:
+            present = [v for v in values if v is not None]
+            return min(present) if present else None
+
+        last_tokens = [s.last_token for s in seqs if s.last_token is not None]
+        return RequestMetrics(
+            arrival_time=state.request.arrival_time,
+            first_scheduled_time=first([s.first_scheduled for s in seqs]),
+            first_token_time=first([s.first_token for s in seqs]),
+            last_token_time=max(last_tokens) if last_tokens else None,
+            finished_time=max(s.finished or 0.0 for s in seqs) if state.finished else None,
+            num_preemptions=sum(s.num_preemptions for s in seqs),
+        )
+
+    # ------------------------------------------------------------ counters
+    def _count_step(self, batch: StepBatch) -> None:
+        c = self.counters
+        c.steps += 1
+        c.decode_rows += len(batch.decodes)
+        c.prefill_rows += sum(chunk.num_tokens for chunk in batch.prefills)
+        c.generation_tokens += len(batch.sampled())
+
+    def _count_finished(self, state: _RequestState) -> None:
+        c = self.counters
+        usage = self._usage(state)
+        c.prompt_tokens += usage.prompt_tokens
+        c.prompt_cache_hit_tokens += usage.prompt_cache_hit_tokens
+        c.replay_tokens += usage.replay_tokens
+        c.requests_finished += 1
+        for choice in state.choices:
+            reason = choice.seq.finish_reason or "abort"
+            c.finished[reason] = c.finished.get(reason, 0) + 1
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            preemptions=self.scheduler.num_preemptions,
+            kv=self.kv.stats(),
+            counters=dataclasses.replace(self.counters, finished=dict(self.counters.finished)),
+        )
+
+    def close(self) -> None:
+        """Flush the SSD tier's write-behind and stop its threads."""
+        self.kv.close()

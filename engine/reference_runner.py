@@ -1,0 +1,117 @@
+"""A ModelRunner built on the dense oracle, over real KV pages.
+
+For each sequence that needs logits, ``reference.forward`` runs over all its
+tokens under the sequence's admission plan. Global KV below ``stored_tokens``
+is read from the sequence's pages (dequantised from their bytes); entries the
+pass completes for the first time are quantised into its pages. So prefix
+hits, preemption resumes and SSD restores after a restart all go through the
+same bytes the paged runner uses. Non-final prefill chunks do nothing: the
+last chunk recomputes everything. Slow and obviously correct: the engine
+tests' oracle path and ``--runner reference``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.model.model import DeepseekV41
+from engine.model.reference import GlobalKV, KVPrecision, ReplayPlan, forward
+from engine.runner import StepBatch
+from engine.sequence import Sequence
+from kernels.kv_formats import (
+    dequantize_index_key,
+    dequantize_main_kv,
+    quantize_index_key,
+    quantize_main_kv,
+)
+from kvstore.device_pool import SourcePages
+from kvstore.manager import KVCacheManager
+
+
+class ReferenceRunner:
+    """Dense recompute per step; global KV kept as bytes in the KV manager's pages."""
+
+    def __init__(self, model: DeepseekV41, kv: KVCacheManager, precision: KVPrecision) -> None:
+        assert precision.global_kv in ("fp4", "bf16"), "pages store fp4 or bf16 global KV"
+        self.model = model
+        self.kv = kv
+        self.precision = precision
+        self.page_tokens = kv.page_tokens
+        self.sources = {s.layer_id: s.compress_ratio for s in kv.layout.sources}
+        # seq_id -> tokens whose complete groups are in the pages (this admission).
+        self._written: dict[int, int] = {}
+
+    def execute(self, batch: StepBatch) -> dict[int, torch.Tensor]:
+        out: dict[int, torch.Tensor] = {}
+        for seq in batch.decodes:
+            out[seq.seq_id] = self._run(seq, seq.num_tokens)
+        for chunk in batch.prefills:
+            if chunk.last:  # earlier chunks only mark progress
+                out[chunk.seq.seq_id] = self._run(chunk.seq, chunk.end)
+        return out
+
+    def release(self, seq: Sequence) -> None:
+        self._written.pop(seq.seq_id, None)
+
+    # ------------------------------------------------------------ internals
+    def _run(self, seq: Sequence, n: int) -> torch.Tensor:
+        """Logits of row ``n - 1`` under ``seq``'s plan; new global KV into its pages."""
+        H = seq.stored_tokens
+        plan = ReplayPlan(H, seq.encoder_start, seq.decoder_start)
+        stored = self._read(seq, H) if H else None
+        device = self.model.embed.weight.device
+        ids = torch.tensor(seq.token_ids[:n], device=device)
+        result = forward(self.model, ids, plan, stored, self.precision)
+        done = self._written.get(seq.seq_id, H)
+        for layer, ratio in self.sources.items():
+            first, last = done // ratio, n // ratio
+            if last > first:
+                self._write(seq, layer, first, result.global_kv, last)
+        self._written[seq.seq_id] = n
+        return result.logits[-1].float()
+
+    def _slots(self, seq: Sequence, pages: SourcePages, first: int, last: int):
+        entries = torch.arange(first, last)
+        per_page = pages.entries_per_page
+        table = torch.tensor(seq.block_table, dtype=torch.long)
+        return table[entries // per_page].to(pages.main.device), (entries % per_page).to(
+            pages.main.device
+        )
+
+    def _read(self, seq: Sequence, tokens: int) -> GlobalKV:
+        """Stored global KV of tokens ``[0, tokens)``, dequantised in the model's dtype."""
+        dtype = self.model.embed.weight.dtype
+        stored = GlobalKV()
+        for layer, ratio in self.sources.items():
+            pages = self.kv.page_tensors(layer)
+            page, slot = self._slots(seq, pages, 0, tokens // ratio)
+            main = torch.cat([pages.main_data[page, slot], pages.main_scales[page, slot]], -1)
+            index = torch.cat([pages.index_data[page, slot], pages.index_scales[page, slot]], -1)
+            stored.latents[layer] = self._decode(main, dequantize_main_kv).to(dtype)
+            stored.keys[layer] = self._decode(index, dequantize_index_key).to(dtype)
+        return stored
+
+    def _write(self, seq: Sequence, layer: int, first: int, kv: GlobalKV, last: int) -> None:
+        """Entries ``[first, last)`` of ``layer`` as records into ``seq``'s pages."""
+        pages = self.kv.page_tensors(layer)
+        page, slot = self._slots(seq, pages, first, last)
+        main = self._encode(kv.latents[layer][first:last], quantize_main_kv)
+        index = self._encode(kv.keys[layer][first:last], quantize_index_key)
+        main_data = pages.main_data.shape[-1]
+        index_data = pages.index_data.shape[-1]
+        pages.main_data[page, slot] = main[:, :main_data]
+        pages.main_scales[page, slot] = main[:, main_data:]
+        pages.index_data[page, slot] = index[:, :index_data]
+        pages.index_scales[page, slot] = index[:, index_data:]
+
+    def _encode(self, values: torch.Tensor, quantize) -> torch.Tensor:
+        """Records of stored values. The fp4 values are already on the FP4 grid, and
+        quantising them again gives records that decode to the same values."""
+        if self.precision.global_kv == "fp4":
+            return quantize(values)
+        return values.to(torch.bfloat16).contiguous().view(torch.uint8)
+
+    def _decode(self, records: torch.Tensor, dequantize) -> torch.Tensor:
+        if self.precision.global_kv == "fp4":
+            return dequantize(records)
+        return records.contiguous().view(torch.bfloat16).float()

@@ -1,0 +1,181 @@
+"""Which rows run this step (ARCHITECTURE 2.4, docs/design/engine.md).
+
+Each step, under a token budget (one row per decode, a chunk's encoder rows
+per prefill) and a cap on admitted sequences:
+
+1. decode every running sequence whose prefill is done (decode first: a token
+   waiting to be decoded is a user waiting on latency);
+2. continue running prefills, one chunk of at most ``prefill_chunk_tokens``
+   rows each;
+3. admit waiting sequences in order (priority, then arrival): the KV store
+   plans the restore (device hit, SSD hit, replay start), the sequence's plan
+   is fixed, and its first chunk is scheduled.
+
+Pages are allocated as chunks and decodes need them. When the pool runs out,
+the newest running sequence (last in scheduling order) is preempted: its pages
+are released (committed full pages stay cached), its runner state dropped, and
+it waits again; its next admission restores from the cache. No new sequence
+is admitted in a step that preempted.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import time
+from collections.abc import Callable
+
+from engine.engine_config import EngineConfig
+from engine.runner import PrefillChunk, StepBatch
+from engine.sequence import Sequence, SequenceStatus
+from kvstore.block_pool import OutOfPages
+from kvstore.manager import KVCacheManager
+
+
+class Scheduler:
+    """Waiting and running queues over one ``KVCacheManager``."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        kv: KVCacheManager,
+        replay_tokens: int,
+        release: Callable[[Sequence], None],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.kv = kv
+        self.replay_tokens = replay_tokens
+        self._release = release  # the runner's: drop a sequence's SWA / compressor state
+        self._clock = clock
+        self.waiting: list[Sequence] = []  # sorted by Sequence.sort_key
+        self.running: list[Sequence] = []  # sorted by Sequence.sort_key
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------ queues
+    def add(self, seq: Sequence) -> None:
+        assert seq.status is SequenceStatus.WAITING
+        bisect.insort(self.waiting, seq, key=_key)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence) -> None:
+        """Take ``seq`` out of the queues and give back its pages and runner state."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+            self._drop_state(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finished = self._clock()
+
+    def pages_needed(self, num_tokens: int) -> int:
+        return math.ceil(num_tokens / self.kv.page_tokens)
+
+    # ------------------------------------------------------------ schedule
+    def schedule(self) -> StepBatch:
+        batch = StepBatch()
+        preempted = False
+
+        for seq in list(self.running):  # 1. decodes
+            if self._budget(batch) == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING or seq.in_prefill:
+                continue
+            # Row num_tokens - 1 (the token sampled last step) gets its KV written.
+            ok, hit = self._reserve(seq, seq.num_tokens, batch)
+            preempted |= hit
+            if ok:
+                batch.decodes.append(seq)
+
+        for seq in list(self.running):  # 2. running prefills
+            budget = self._budget(batch)
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING or not seq.in_prefill:
+                continue
+            end = min(seq.prefill_end, seq.num_computed + self._chunk(budget))
+            ok, hit = self._reserve(seq, end, batch)
+            preempted |= hit
+            if ok:
+                batch.prefills.append(
+                    PrefillChunk(seq, seq.num_computed, end, end == seq.prefill_end)
+                )
+
+        while not preempted and self.waiting:  # 3. admissions
+            budget = self._budget(batch)
+            if budget == 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            chunk = self._admit(self.waiting[0], budget)
+            if chunk is None:
+                break  # FCFS: nobody overtakes the head of the queue
+            batch.prefills.append(chunk)
+        return batch
+
+    def _budget(self, batch: StepBatch) -> int:
+        return self.config.max_num_batched_tokens - batch.num_tokens
+
+    def _chunk(self, budget: int) -> int:
+        return min(self.config.prefill_chunk_tokens, budget)
+
+    def _admit(self, seq: Sequence, budget: int) -> PrefillChunk | None:
+        """Plan ``seq``'s restore and its first chunk, or None if the pool cannot take it."""
+        # A prefill holds pages for its whole sequence before it yields a token;
+        # admitting without them would only start work that preemption throws away.
+        if self.pages_needed(seq.num_tokens) > self.kv.pool.num_available:
+            return None
+        plan = self.kv.plan_restore(seq.seq_id, seq.token_ids, seq.salt, self.replay_tokens)
+        end = min(seq.num_tokens, plan.replay_start + self._chunk(budget))
+        try:
+            block_table = self.kv.allocate(seq.seq_id, end)
+        except OutOfPages:  # hit pages held by others made the estimate optimistic
+            self.kv.free(seq.seq_id)
+            return None
+        if seq.num_admissions == 0:
+            seq.prompt_hit_tokens = plan.hit_tokens
+            seq.prompt_device_hit_tokens = plan.device_hit_tokens
+            seq.prompt_ssd_hit_tokens = plan.ssd_hit_tokens
+        seq.admit(plan.hit_tokens, plan.replay_start, self.replay_tokens, self.config.enable_ced)
+        seq.block_table = block_table
+        if seq.first_scheduled is None:
+            seq.first_scheduled = self._clock()
+        self.waiting.pop(0)
+        bisect.insort(self.running, seq, key=_key)
+        return PrefillChunk(seq, seq.num_computed, end, end == seq.prefill_end)
+
+    def _reserve(self, seq: Sequence, num_tokens: int, batch: StepBatch) -> tuple[bool, bool]:
+        """Pages for ``num_tokens`` of ``seq``, preempting the newest until they fit.
+
+        Returns (reserved, preempted anyone). ``seq`` itself may be the newest:
+        then it is preempted and not reserved.
+        """
+        preempted = False
+        while not self.kv.can_allocate(seq.seq_id, num_tokens):
+            victim = self.running[-1]
+            self._preempt(victim, batch)
+            preempted = True
+            if victim is seq:
+                return False, True
+        seq.block_table = self.kv.allocate(seq.seq_id, num_tokens)
+        return True, preempted
+
+    def _preempt(self, seq: Sequence, batch: StepBatch) -> None:
+        """Back to waiting; drop pages and runner state, and any work of this step."""
+        self.running.remove(seq)
+        if seq in batch.decodes:
+            batch.decodes.remove(seq)
+        batch.prefills = [c for c in batch.prefills if c.seq is not seq]
+        self._drop_state(seq)
+        seq.reset_for_preemption()
+        self.num_preemptions += 1
+        bisect.insort(self.waiting, seq, key=_key)
+
+    def _drop_state(self, seq: Sequence) -> None:
+        self.kv.free(seq.seq_id)
+        self._release(seq)
+        seq.block_table = []
+
+
+def _key(seq: Sequence) -> tuple[int, float, int]:
+    return seq.sort_key
