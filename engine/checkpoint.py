@@ -95,7 +95,6 @@ _FORMAT_RULES: tuple[tuple[re.Pattern[str], WeightFormat], ...] = tuple(
 )
 
 _FLOAT_DTYPES = {"BF16", "F16", "F32", "F64"}
-_TORCH_DTYPE = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 
 
 def scale_name(name: str) -> str:
@@ -316,6 +315,8 @@ def skip_init() -> Iterator[None]:
     Parameters about to be overwritten by a checkpoint (or never materialised,
     on ``meta``) need no random values; initialising them costs as much as
     loading (nn.Linear's kaiming init dominates building the official model).
+    Patches ``torch.nn.init`` process-wide: not for use while other threads
+    build modules.
     """
     saved = {name: getattr(nn.init, name) for name in _INITIALISERS}
     for name in _INITIALISERS:
@@ -338,7 +339,8 @@ def empty_model(
 
     Each parameter is allocated once and filled by the loader; buffers (RoPE
     frequencies) are computed by the constructor as usual. Parameters the model
-    declares in an explicit dtype (mHC coefficients, sinks) keep it.
+    declares in an explicit dtype (mHC coefficients, sinks) keep it. Sets the
+    process-wide default dtype while it builds.
     """
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
