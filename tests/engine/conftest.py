@@ -1,0 +1,37 @@
+"""Shared fixtures of the engine tests: one random tiny model per session."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.model.config import ModelConfig
+
+
+@pytest.fixture(scope="session")
+def tiny_config() -> ModelConfig:
+    return ModelConfig.tiny()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_config):
+    """A random tiny model in fp32 with the real Engram vocabulary map.
+
+    Larger-than-default attention sinks and mHC weights make routing, top-k and
+    candidate choices depend visibly on the input (as in tests/engine/model).
+    """
+    from engine.model.engram import build_compressed_vocab, load_tokenizer
+    from engine.model.model import DeepseekV41
+
+    torch.manual_seed(0)
+    model = DeepseekV41(tiny_config)
+    model.init_weights(torch.Generator().manual_seed(1234))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("attn_sink"):
+                p.copy_(torch.linspace(-1.0, 1.0, p.numel()))
+            elif "hc_" in name and name.endswith("_fn"):
+                p.mul_(5.0)
+    vocab_map, _ = build_compressed_vocab(load_tokenizer())
+    model.set_compressed_vocab(vocab_map)
+    return model.eval()

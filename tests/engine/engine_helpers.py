@@ -1,0 +1,170 @@
+"""Runners and builders shared by the scheduler, engine and async engine tests."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from engine.engine_config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.model.config import ModelConfig
+from engine.model.reference import KVPrecision
+from engine.reference_runner import ReferenceRunner
+from engine.runner import StepBatch
+from engine.sequence import Sequence
+from kvstore.layout import kv_layout
+from kvstore.manager import KVCacheManager
+
+TINY = ModelConfig.tiny()
+
+
+def make_kv(
+    num_pages: int,
+    page_tokens: int = 8,
+    kv_dir=None,
+    kv_dtype: str = "fp4",
+) -> KVCacheManager:
+    """A KV manager with the tiny model's layout and exactly ``num_pages`` pages."""
+    layout = kv_layout(TINY.kv_source_layer_ids, TINY.compress_ratios, page_tokens, kv_dtype)
+    return KVCacheManager(layout, num_pages * layout.page_bytes, kv_dir=kv_dir)
+
+
+class CheckingRunner:
+    """A model-free runner that asserts the ModelRunner contract on every call.
+
+    Logits put all mass on ``next_token(seq)`` (default: a hash of the tokens
+    so far), so the engine's sampling is deterministic and cheap.
+    """
+
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        vocab_size: int,
+        next_token: Callable[[Sequence], int] | None = None,
+    ) -> None:
+        self.kv = kv
+        self.vocab_size = vocab_size
+        self.next_token = next_token or (lambda s: (sum(s.token_ids) * 31 + s.num_tokens) % 61 + 3)
+        self.released: list[int] = []
+        self.batches: list[StepBatch] = []
+
+    def execute(self, batch: StepBatch) -> dict[int, torch.Tensor]:
+        pt = self.kv.page_tokens
+        self.batches.append(batch)
+        out = {}
+        for seq in batch.decodes:
+            assert not seq.in_prefill and seq.num_computed == seq.num_tokens - 1
+            assert len(seq.block_table) * pt >= seq.num_tokens
+            out[seq.seq_id] = self._logits(seq)
+        for chunk in batch.prefills:
+            seq = chunk.seq
+            assert chunk.start == seq.num_computed < chunk.end <= seq.prefill_end
+            assert chunk.last == (chunk.end == seq.prefill_end)
+            assert len(seq.block_table) * pt >= chunk.end
+            if chunk.last:
+                out[seq.seq_id] = self._logits(seq)
+        for seq in [*batch.decodes, *(c.seq for c in batch.prefills)]:
+            assert seq.block_table == self.kv.block_table(seq.seq_id)
+        return out
+
+    def release(self, seq: Sequence) -> None:
+        self.released.append(seq.seq_id)
+
+    def _logits(self, seq: Sequence) -> torch.Tensor:
+        logits = torch.zeros(self.vocab_size)
+        logits[self.next_token(seq)] = 10.0
+        return logits
+
+
+class RecordingRunner:
+    """Wraps a runner; records each sequence's logits and the plan of each admission."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.logits: dict[int, list[torch.Tensor]] = defaultdict(list)
+        self.admissions: dict[int, list[Admission]] = defaultdict(list)
+
+    def execute(self, batch: StepBatch) -> dict[int, torch.Tensor]:
+        for chunk in batch.prefills:
+            if chunk.last:
+                s = chunk.seq
+                self.admissions[s.seq_id].append(
+                    Admission(s.prefill_end, s.stored_tokens, s.encoder_start, s.decoder_start)
+                )
+        out = self.inner.execute(batch)
+        for seq_id, logits in out.items():
+            self.logits[seq_id].append(logits.clone())
+        return out
+
+    def release(self, seq: Sequence) -> None:
+        self.inner.release(seq)
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """The plan an admission ran its last prefill chunk with."""
+
+    num_tokens: int  # L
+    stored_tokens: int  # H
+    encoder_start: int  # e0
+    decoder_start: int  # d0
+
+
+def fake_engine(
+    num_pages: int = 64,
+    vocab_size: int = 64,
+    next_token: Callable[[Sequence], int] | None = None,
+    tokenizer=None,
+    **config,
+) -> tuple[LLMEngine, CheckingRunner]:
+    config.setdefault("page_tokens", 8)
+    cfg = EngineConfig(runner="reference", **config)
+    kv = make_kv(num_pages, cfg.page_tokens)
+    runner = CheckingRunner(kv, vocab_size, next_token)
+    engine = LLMEngine(
+        cfg,
+        runner,
+        kv,
+        vocab_size=vocab_size,
+        sliding_window=TINY.sliding_window,
+        max_position_embeddings=TINY.max_position_embeddings,
+        tokenizer=tokenizer,
+    )
+    return engine, runner
+
+
+def reference_engine(
+    model, num_pages: int = 64, kv_dir=None, **config
+) -> tuple[LLMEngine, RecordingRunner]:
+    """An engine over the dense ReferenceRunner, recording logits and admissions."""
+    config.setdefault("page_tokens", 8)
+    cfg = EngineConfig(runner="reference", **config)
+    kv = make_kv(num_pages, cfg.page_tokens, kv_dir, cfg.kv_dtype)
+    runner = RecordingRunner(ReferenceRunner(model, kv, KVPrecision(global_kv=cfg.kv_dtype)))
+    engine = LLMEngine(
+        cfg,
+        runner,
+        kv,
+        vocab_size=model.config.vocab_size,
+        sliding_window=model.config.sliding_window,
+        max_position_embeddings=model.config.max_position_embeddings,
+    )
+    return engine, runner
+
+
+def run_to_completion(engine: LLMEngine, max_steps: int = 10_000) -> dict[str, list]:
+    """Step until idle; every output of every request, by request id."""
+    outputs: dict[str, list] = defaultdict(list)
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            return outputs
+        for out in engine.step():
+            outputs[out.request_id].append(out)
+    raise AssertionError(f"engine still busy after {max_steps} steps")
+
+
+def token_stream(outputs: list, index: int = 0) -> list[int]:
+    return [t for out in outputs for c in out.outputs if c.index == index for t in c.token_ids]
