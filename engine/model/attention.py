@@ -16,11 +16,12 @@ from engine.model.compressor import Compressor
 from engine.model.config import ModelConfig
 from engine.model.indexer import Indexer
 from engine.model.norm import RMSNorm
+from engine.model.precision import upcast
 from engine.model.rope import rope_inv_freq, rope_tail
 
 
 def _linear32(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
-    return F.linear(x.float(), layer.weight.float())
+    return F.linear(upcast(x), upcast(layer.weight))
 
 
 class GroupedLinear(nn.Module):
@@ -40,8 +41,8 @@ class GroupedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., n_groups, in_per_group] -> [..., n_groups, out_per_group], fp32."""
-        w = self.weight.float().view(self.n_groups, self.out_per_group, -1)
-        return torch.einsum("...gi,goi->...go", x.float(), w)
+        w = upcast(self.weight).view(self.n_groups, self.out_per_group, -1)
+        return torch.einsum("...gi,goi->...go", upcast(x), w)
 
 
 class Attention(nn.Module):
@@ -99,6 +100,6 @@ class Attention(nn.Module):
         ``wo_b`` mixes the groups.
         """
         dtype = o.dtype
-        o = rope_tail(o.float(), positions, self.inv_freq, inverse=True)
+        o = rope_tail(upcast(o), positions, self.inv_freq, inverse=True)
         grouped = self.wo_a(o.reshape(o.shape[0], self.o_groups, -1))
         return _linear32(grouped.flatten(1), self.wo_b).to(dtype)

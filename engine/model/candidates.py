@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from engine.model.precision import upcast
+
 
 def visible_entries(positions: torch.Tensor, n_entries: int, ratio: int) -> torch.Tensor:
     """BoolTensor [T, n_entries]: entry j is visible at pos iff ``j < (pos + 1) // ratio``."""
@@ -39,7 +41,7 @@ def select_topk(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Te
     With fewer than k visible entries every visible one is taken.
     """
     t, s = scores.shape
-    order = _rank_order(scores.float(), visible)[:, : min(k, s)]
+    order = _rank_order(upcast(scores), visible)[:, : min(k, s)]
     chosen = torch.gather(visible, -1, order)
     # Sort the picks by index; the -1 padding is pushed past every real index.
     idx = torch.where(chosen, order, s).sort(dim=-1).values
@@ -63,7 +65,7 @@ def candidate_block_mask(
     t, s = scores.shape
     n_blocks = -(-s // block_size)
     pad = n_blocks * block_size - s
-    masked = scores.float().masked_fill(~visible, float("-inf"))
+    masked = upcast(scores).masked_fill(~visible, float("-inf"))
     masked = torch.nn.functional.pad(masked, (0, pad), value=float("-inf"))
     vis = torch.nn.functional.pad(visible, (0, pad), value=False)
     block_score = masked.view(t, n_blocks, block_size).amax(dim=-1)

@@ -13,6 +13,7 @@ from torch import nn
 
 from engine.model.config import ModelConfig
 from engine.model.norm import RMSNorm
+from engine.model.precision import upcast
 
 
 def entry_positions(n_entries: int, ratio: int, start_entry: int = 0) -> torch.Tensor:
@@ -45,16 +46,16 @@ class Compressor(nn.Module):
         fp32 because the open group's row is kept as per-request state between
         steps (ARCHITECTURE 1.10, "Compressor state").
         """
-        x32 = x.float()
-        a = F.linear(x32, self.wkv.weight.float())
+        x32 = upcast(x)
+        a = F.linear(x32, upcast(self.wkv.weight))
         if self.wgate is None:
             return a
-        return torch.cat((a, F.linear(x32, self.wgate.weight.float())), dim=-1)
+        return torch.cat((a, F.linear(x32, upcast(self.wgate.weight))), dim=-1)
 
     def combine(self, rows: torch.Tensor) -> torch.Tensor:
         """Latents [k, head_dim] (fp32) from ``k * ratio`` consecutive complete-group rows."""
         assert rows.shape[0] % self.ratio == 0, (rows.shape, self.ratio)
-        rows = rows.float()
+        rows = upcast(rows)
         if self.ratio == 1:
             return self.norm(rows)
         pairs = rows.view(-1, 2, 2 * self.head_dim)

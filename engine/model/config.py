@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -62,7 +62,7 @@ def engram_table_primes(
     return per_layer
 
 
-class LayerRole(str, Enum):
+class LayerRole(StrEnum):
     """CSA2 role of a layer (ARCHITECTURE 1.2)."""
 
     SWA_ONLY = "swa_only"  # compress ratio 0: sliding window only
@@ -268,7 +268,9 @@ class ModelConfig:
         for l in sorted(compressing):
             src = self.kv_source(l)
             if src is None:
-                raise ConfigError("kv_source_layer_ids", f"layer {l} compresses but has no kv source")
+                raise ConfigError(
+                    "kv_source_layer_ids", f"layer {l} compresses but has no kv source"
+                )
             if self.compress_ratios[src] != self.compress_ratios[l]:
                 raise ConfigError(
                     "compress_ratios",
@@ -374,10 +376,7 @@ class ModelConfig:
         128-d index keys stay at full size so the KV byte formats are the real ones.
         """
         engram = dict(engram_vocab_size=1000, engram_n_heads=2, engram_layer_ids=[1, 2])
-        rows = [
-            sum(p)
-            for p in engram_table_primes(1000, 2, [2, 3, 4], engram["engram_n_heads"])
-        ]
+        rows = [sum(p) for p in engram_table_primes(1000, 2, [2, 3, 4], engram["engram_n_heads"])]
         return cls(
             **engram,
             engram_num_embeddings=rows,

@@ -24,6 +24,7 @@ from tokenizers import Regex, Tokenizer, normalizers
 from torch import nn
 
 from engine.model.config import ModelConfig
+from engine.model.precision import upcast
 
 # ----------------------------------------------------------- compressed vocabulary
 
@@ -180,11 +181,11 @@ def engram_gate(
     ``gate = sigmoid(sign(s) sqrt(max(|s|, 1e-6)))`` with sign(0) = +.
     """
     dim = R.shape[-1]
-    r = R.float()
-    k = key.float()
+    r = upcast(R)
+    k = upcast(key)
     r_hat = r * torch.rsqrt(r.square().mean(dim=-1, keepdim=True) + eps)
     k_hat = k * torch.rsqrt(k.square().mean(dim=-1, keepdim=True) + eps)
-    dot = (r_hat * q_weight.float() * k_hat * k_weight.float()).sum(dim=-1) / math.sqrt(dim)
+    dot = (r_hat * upcast(q_weight) * k_hat * upcast(k_weight)).sum(dim=-1) / math.sqrt(dim)
     magnitude = dot.abs().clamp(min=GATE_FLOOR).sqrt()
     return torch.sigmoid(torch.where(dot < 0, -magnitude, magnitude))
 
@@ -225,7 +226,7 @@ class Engram(nn.Module):
         key = kv[..., : self.hc * self.dim].unflatten(-1, (self.hc, self.dim))
         value = kv[..., self.hc * self.dim :]
         gate = engram_gate(R, key, self.q_weight, self.k_weight, self.eps)
-        return (R.float() + gate.unsqueeze(-1) * value.float().unsqueeze(-2)).to(R.dtype)
+        return (upcast(R) + gate.unsqueeze(-1) * upcast(value).unsqueeze(-2)).to(R.dtype)
 
     def forward(self, R: torch.Tensor, row_ids: torch.Tensor) -> torch.Tensor:
         """``R [T, hc, D]``, ``row_ids [T, n_columns]`` (from ``engram_hash_rows``) -> ``R'``."""

@@ -14,6 +14,7 @@ from torch import nn
 
 from engine.model.config import ModelConfig
 from engine.model.norm import RMSNorm
+from engine.model.precision import upcast
 from engine.model.rope import rope_inv_freq, rope_tail
 
 
@@ -22,8 +23,8 @@ def indexer_scores(qi: torch.Tensor, w: torch.Tensor, k: torch.Tensor) -> torch.
 
     qi [T, h, d], w [T, h], k [S, d] -> [T, S]. Visibility is the caller's job.
     """
-    dots = torch.einsum("thd,sd->ths", qi.float(), k.float())
-    return (dots.relu() * w.float()[:, :, None]).sum(dim=1)
+    dots = torch.einsum("thd,sd->ths", upcast(qi), upcast(k))
+    return (dots.relu() * upcast(w)[:, :, None]).sum(dim=1)
 
 
 class Indexer(nn.Module):
@@ -55,7 +56,7 @@ class Indexer(nn.Module):
         RoPE on the last ``qk_rope_head_dim`` dims at each entry's group start.
         """
         assert self.wk is not None and self.k_norm is not None, "only kv sources own wk/k_norm"
-        k = self.k_norm(F.linear(latent.float(), self.wk.weight.float()))
+        k = self.k_norm(F.linear(upcast(latent), upcast(self.wk.weight)))
         return rope_tail(k, entry_positions, self.inv_freq).to(latent.dtype)
 
     def queries(
@@ -66,9 +67,9 @@ class Indexer(nn.Module):
         ``qr`` is the attention's normed query latent, ``x`` the attention input.
         ``w`` folds in ``index_head_dim^-0.5 * index_n_heads^-0.5``.
         """
-        qi = F.linear(qr.float(), self.wq_b.weight.float()).view(-1, self.n_heads, self.head_dim)
+        qi = F.linear(upcast(qr), upcast(self.wq_b.weight)).view(-1, self.n_heads, self.head_dim)
         qi = rope_tail(qi, positions, self.inv_freq).to(qr.dtype)
-        w = F.linear(x.float(), self.weights_proj.weight.float()) * self.weight_scale
+        w = F.linear(upcast(x), upcast(self.weights_proj.weight)) * self.weight_scale
         return qi, w
 
     def scores(self, qi: torch.Tensor, w: torch.Tensor, k: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from engine.model.precision import upcast
+
 # post = POST_GAIN * sigmoid(...): lets a sublayer write up to twice its output.
 POST_GAIN = 2.0
 
@@ -22,7 +24,7 @@ def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     So ``iters = 20`` makes 1 + 2 * 19 = 39 passes, ending on a column pass:
     columns sum to 1 (up to eps), rows only approximately.
     """
-    c = torch.softmax(logits.float(), dim=-1) + eps
+    c = torch.softmax(upcast(logits), dim=-1) + eps
     c = c / (c.sum(dim=-2, keepdim=True) + eps)
     for _ in range(iters - 1):
         c = c / (c.sum(dim=-1, keepdim=True) + eps)
@@ -49,10 +51,10 @@ def hc_coefficients(
     weight of input copy ``i`` in output copy ``j``.
     """
     hc = R.shape[-2]
-    flat = R.flatten(-2).float()
+    flat = upcast(R.flatten(-2))
     inv_rms = torch.rsqrt(flat.square().mean(dim=-1, keepdim=True) + norm_eps)
-    m = (flat @ fn.float().T) * inv_rms
-    base, scale = base.float(), scale.float()
+    m = (flat @ upcast(fn).T) * inv_rms
+    base, scale = upcast(base), upcast(scale)
     m_pre, m_post, m_comb = m.split([hc, hc, hc * hc], dim=-1)
     b_pre, b_post, b_comb = base.split([hc, hc, hc * hc])
     pre = torch.sigmoid(m_pre * scale[0] + b_pre) + hc_eps
@@ -76,13 +78,13 @@ def hc_initial_pre(T: int, hc: int, device: torch.device | str | None = None) ->
 
 def hc_collapse(R: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     """``sum_i pre[i] R[i]``: ``[T, hc, D] -> [T, D]``, in fp32, returned in ``R``'s dtype."""
-    return (pre.float().unsqueeze(-1) * R.float()).sum(dim=-2).to(R.dtype)
+    return (upcast(pre).unsqueeze(-1) * upcast(R)).sum(dim=-2).to(R.dtype)
 
 
 def hc_mix(
     R: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
 ) -> torch.Tensor:
     """``R'[j] = sum_i comb[i, j] R[i] + post[j] y``, in fp32, returned in ``R``'s dtype."""
-    carried = torch.einsum("...ij,...id->...jd", comb.float(), R.float())
-    written = post.float().unsqueeze(-1) * y.float().unsqueeze(-2)
+    carried = torch.einsum("...ij,...id->...jd", upcast(comb), upcast(R))
+    written = upcast(post).unsqueeze(-1) * upcast(y).unsqueeze(-2)
     return (carried + written).to(R.dtype)

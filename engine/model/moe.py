@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model.config import ModelConfig
+from engine.model.precision import compute_dtype, upcast
 
 # Added to the sum of the selected scores before normalising (DeepSeek's value).
 ROUTE_NORM_EPS = 1e-20
@@ -36,14 +37,14 @@ class Expert(nn.Module):
 
         The activation runs in fp32 and is cast back to ``x``'s dtype for ``w2``.
         """
-        gate = self.w1(x).float()
-        up = self.w3(x).float()
+        gate = upcast(self.w1(x))
+        up = upcast(self.w3(x))
         if self.swiglu_limit > 0:
             gate = gate.clamp(max=self.swiglu_limit)
             up = up.clamp(min=-self.swiglu_limit, max=self.swiglu_limit)
         h = F.silu(gate) * up
         if weights is not None:
-            h = weights.float() * h
+            h = upcast(weights) * h
         return self.w2(h.to(x.dtype))
 
 
@@ -61,8 +62,8 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(weights [T, k] fp32, idx [T, k])`` for ``x [T, D]``."""
-        scores = F.softplus(F.linear(x.float(), self.weight.float())).sqrt()
-        idx = torch.topk(scores + self.bias.float(), self.topk, dim=-1).indices
+        scores = F.softplus(F.linear(upcast(x), upcast(self.weight))).sqrt()
+        idx = torch.topk(scores + upcast(self.bias), self.topk, dim=-1).indices
         weights = scores.gather(-1, idx)
         if self.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + ROUTE_NORM_EPS)
@@ -86,13 +87,13 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, D] -> [T, D]`` in ``x``'s dtype."""
         weights, idx = self.gate(x)
-        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        y = torch.zeros(x.shape, dtype=compute_dtype(x), device=x.device)
         counts = torch.bincount(idx.flatten(), minlength=self.n_routed_experts).tolist()
         for e, count in enumerate(counts):
             if count == 0:
                 continue
             token, slot = torch.where(idx == e)
             out = self.experts[e](x[token], weights[token, slot, None])
-            y.index_add_(0, token, out.float())
-        y += self.shared_experts(x).float()
+            y.index_add_(0, token, upcast(out))
+        y += upcast(self.shared_experts(x))
         return y.to(x.dtype)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.model.precision import upcast
+
 
 class RMSNorm(nn.Module):
     """``y = x * rsqrt(mean(x^2) + eps) * weight`` over the last dim, in fp32.
@@ -20,9 +22,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
+        x32 = upcast(x)
         inv_rms = torch.rsqrt(x32.square().mean(-1, keepdim=True) + self.eps)
-        return (x32 * inv_rms * self.weight.float()).to(x.dtype)
+        return (x32 * inv_rms * upcast(self.weight)).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.dim}, eps={self.eps}"

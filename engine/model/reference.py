@@ -26,6 +26,7 @@ from engine.model.candidates import candidate_block_mask, select_topk, visible_e
 from engine.model.config import LayerRole
 from engine.model.mhc import hc_collapse, hc_mix
 from engine.model.model import DeepseekV41
+from engine.model.precision import upcast
 from engine.model.rope import rope_tail
 from engine.model.sink_attention import sink_attention
 from kernels.kv_formats import fake_quant_index_key, fake_quant_main_kv, fake_quant_swa
@@ -217,7 +218,7 @@ def forward(
         pre = pre_f
 
     h = model.norm(hc_collapse(R, pre))
-    logits = model.head(h.to(dtype)).float()
+    logits = upcast(model.head(h.to(dtype)))
     return ReferenceOutput(logits, kv_out)
 
 

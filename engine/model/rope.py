@@ -14,6 +14,7 @@ import math
 import torch
 
 from engine.model.config import ModelConfig
+from engine.model.precision import upcast
 
 
 def plain_inv_freq(dim: int, theta: float) -> torch.Tensor:
@@ -109,7 +110,7 @@ def apply_rope(
         sin = -sin
     broadcast = (x.shape[0],) + (1,) * (x.dim() - 2) + (inv_freq.shape[0],)
     cos, sin = cos.view(broadcast), sin.view(broadcast)
-    pairs = x.float().unflatten(-1, (-1, 2))
+    pairs = upcast(x).unflatten(-1, (-1, 2))
     even, odd = pairs[..., 0], pairs[..., 1]
     rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
     return rotated.flatten(-2).to(x.dtype)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from engine.model.precision import upcast
+
 
 def sink_attention(
     q: torch.Tensor,
@@ -22,9 +24,9 @@ def sink_attention(
     """
     assert q.dim() == 3 and k.dim() == 2 and q.shape[-1] == k.shape[-1], (q.shape, k.shape)
     assert mask.shape == (q.shape[0], k.shape[0]), (mask.shape, q.shape, k.shape)
-    k32 = k.float()
-    logits = torch.einsum("thd,sd->ths", q.float(), k32) * scale
+    k32 = upcast(k)
+    logits = torch.einsum("thd,sd->ths", upcast(q), k32) * scale
     logits = logits.masked_fill(~mask[:, None, :], float("-inf"))
-    sink_col = sink.float()[None, :, None].expand(q.shape[0], -1, 1)
+    sink_col = upcast(sink)[None, :, None].expand(q.shape[0], -1, 1)
     probs = torch.softmax(torch.cat((logits, sink_col), dim=-1), dim=-1)[..., :-1]
     return torch.einsum("ths,sd->thd", probs, k32).to(q.dtype)
