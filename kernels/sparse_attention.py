@@ -33,7 +33,7 @@ def sparse_attention(
     sink: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """``[T, H, 512]`` in q's dtype (fp32 inside).
+    """``[T, H, 512]`` in q's dtype (fp32 inside; float64 queries stay float64).
 
     q ``[T, H, 512]``; swa_k ``[T, Wn, 512]`` (the row's dequantised window,
     padded; invalid keys are never read, whatever they hold); swa_valid
@@ -98,12 +98,14 @@ def _attend_rows(
     pages = block_tables.gather(1, torch.div(j, entries_per_page, rounding_mode="floor"))
     slots = j % entries_per_page
     glob = dequantize_main_kv(read_main_records(main_data, main_scales, pages, slots))
-    keys = torch.cat((swa_k.float(), glob), dim=1)  # [t, Wn + K, 512]
+    # fp32, or float64 for float64 queries (the engine's float64 test mode).
+    dt = torch.promote_types(q.dtype, torch.float32)
+    keys = torch.cat((swa_k.to(dt), glob.to(dt)), dim=1)  # [t, Wn + K, 512]
     valid = torch.cat((swa_valid, topk_idx >= 0), dim=1)
     # Zero what is not a key, so padding (even NaN) never reaches the output.
     keys = keys.masked_fill(~valid[..., None], 0.0)
-    logits = torch.einsum("thd,tsd->ths", q.float(), keys) * scale
+    logits = torch.einsum("thd,tsd->ths", q.to(dt), keys) * scale
     logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
-    sink_col = sink.float()[None, :, None].expand(q.shape[0], -1, 1)
+    sink_col = sink.to(dt)[None, :, None].expand(q.shape[0], -1, 1)
     probs = torch.softmax(torch.cat((logits, sink_col), dim=-1), dim=-1)[..., :-1]
     return torch.einsum("ths,tsd->thd", probs, keys).to(q.dtype)
