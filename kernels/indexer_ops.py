@@ -31,7 +31,9 @@ def indexer_scores(
     n_visible: torch.Tensor,
     n_cols: int,
 ) -> torch.Tensor:
-    """float32 ``[T, n_cols]``: row t's score of entry s, ``-inf`` for ``s >= n_visible[t]``.
+    """``[T, n_cols]``: row t's score of entry s, ``-inf`` for ``s >= n_visible[t]``.
+
+    float32 (float64 for float64 queries: the engine's float64 test mode).
 
     qi ``[T, h, 128]``, w ``[T, h]``, index_data / index_scales the kv source's
     index-key page views, block_tables ``Long[T, max_pages]`` (each row's
@@ -57,7 +59,9 @@ def indexer_scores_reference(
     n_visible: torch.Tensor,
     n_cols: int,
 ) -> torch.Tensor:
-    out = torch.full((qi.shape[0], n_cols), float("-inf"), device=qi.device)
+    # fp32, or float64 for float64 queries (the engine's float64 test mode).
+    dt = torch.promote_types(qi.dtype, torch.float32)
+    out = torch.full((qi.shape[0], n_cols), float("-inf"), dtype=dt, device=qi.device)
     if qi.shape[0] == 0 or n_cols == 0:
         return out
     entries_per_page = index_data.shape[1]
@@ -73,8 +77,8 @@ def indexer_scores_reference(
             k = dequantize_index_key(read_index_records(index_data, index_scales, pages, slots))
             for r0 in range(0, rows.numel(), _REFERENCE_ROWS):
                 r = rows[r0 : r0 + _REFERENCE_ROWS]
-                dots = torch.einsum("thd,sd->ths", qi[r].float(), k)
-                scores = (dots.relu() * w[r].float()[:, :, None]).sum(dim=1)
+                dots = torch.einsum("thd,sd->ths", qi[r].to(dt), k.to(dt))
+                scores = (dots.relu() * w[r].to(dt)[:, :, None]).sum(dim=1)
                 hidden = cols[None, :] >= n_visible[r][:, None]
                 out[r[:, None], cols[None, :]] = scores.masked_fill(hidden, float("-inf"))
     return out
