@@ -11,6 +11,7 @@ import secrets
 import subprocess
 import sys
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -291,3 +292,51 @@ def test_public_op_dispatches_to_triton(seed, monkeypatch):
     got = sparse_attention(*case.args())
     assert calls == [1]
     torch.testing.assert_close(got, sparse_attention_reference(*case.args()), rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------- the GPU benchmark script
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "gpu_kernels.py"
+
+
+def test_gpu_bench_exits_cleanly_without_gpu():
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    child = subprocess.run(
+        [sys.executable, str(BENCH)], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert child.returncode == 0, child.stderr
+    assert "no GPU present" in child.stdout
+
+
+@interpreted
+def test_triton_gpu_bench_dry_run_on_cpu(monkeypatch):
+    """The benchmark's build-and-check code, on tiny sizes, with the interpreted kernels."""
+    spec = importlib.util.spec_from_file_location("gpu_kernels_bench", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gpu_kernels_bench", bench)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(bench, "bench_ms", lambda fn: (fn(), 1.0)[1])  # no CUDA events on CPU
+    monkeypatch.setattr(bench, "ATTENTION_TILES", [(16, 16, 4), (32, 32, 4)])
+    sizes = bench.Sizes(
+        rows=3,
+        heads=20,
+        topk=8,
+        window=5,
+        index_heads=4,
+        context_entries=48,
+        entries_per_page=8,
+        store_entries=10,
+    )
+    results = bench.run_all(sizes, torch.device("cpu"), copy_bps=1e9)
+    assert [r.op for r in results] == [
+        "store_kv_entries",
+        "gather_main_kv",
+        "gather_index_keys",
+        "sparse_attention",
+        "sparse_attention",
+        "indexer_scores",
+        "block_max",
+    ]
+    for r in results:
+        assert r.max_abs_err <= bench.TOLERANCE[r.op], r
+        assert r.bytes_moved > 0
