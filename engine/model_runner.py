@@ -109,8 +109,8 @@ class PagedModelRunner:
         R = model.embed(ids).unsqueeze(1).expand(-1, hc, -1).contiguous()
         pre = torch.zeros(R.shape[0], hc, dtype=torch.float32, device=self.device)
         pre[:, 0] = 1.0  # the first collapse takes copy 0 (ARCHITECTURE 1.3)
-        topk: dict[int, list[torch.Tensor]] = {}
-        candidates: list[torch.Tensor] | None = None
+        topk: dict[int, torch.Tensor] = {}  # published selection of each index source
+        candidates: torch.Tensor | None = None
 
         for block in model.layers:
             l = block.layer_id
@@ -249,66 +249,41 @@ class PagedModelRunner:
         return torch.cat(keep) if keep else torch.zeros(0, dtype=torch.long)
 
     def _attention(self, block, segments, q, qr, x, pos, swa_k, swa_valid, topk, candidates):
-        """Sparse attention of every row; returns o (and the candidates at the candidate source)."""
+        """Sparse attention of every row; returns o (and the candidates at the candidate source).
+
+        All rows are scored and selected together: each row carries its own block
+        table and its visibility follows from its position, so rows of different
+        sequences never see each other's entries.
+        """
         config = self.config
         l = block.layer_id
         attn = block.attn
         role = config.role(l)
-        if role is LayerRole.SWA_ONLY:
-            empty = torch.zeros(q.shape[0], 0, dtype=torch.long, device=q.device)
-            pages = self.pages[config.kv_source_layer_ids[0]]
-            return sparse_attention(
-                q,
-                swa_k,
-                swa_valid,
-                pages.main_data,
-                pages.main_scales,
-                torch.zeros(q.shape[0], 1, dtype=torch.long, device=q.device),
-                empty,
-                attn.attn_sink,
-                attn.softmax_scale,
-            )
-        src = config.kv_source(l)
-        ratio = self.ratios[src]
-        pages = self.pages[src]
+        src = config.kv_source(l) if role is not LayerRole.SWA_ONLY else None
+        pages = self.pages[src if src is not None else config.kv_source_layer_ids[0]]
         tables = _row_block_tables(segments, q.device)
         published = None
-        if role is LayerRole.REUSE:
-            idx = torch.cat(topk[config.index_source(l)])
+        if role is LayerRole.SWA_ONLY:
+            idx = torch.zeros(q.shape[0], 0, dtype=torch.long, device=q.device)
+        elif role is LayerRole.REUSE:
+            idx = topk[config.index_source(l)]
         else:
+            ratio = self.ratios[src]
+            n_cols = max(s.end for s in segments) // ratio
             qi, w = attn.indexer.queries(qr, x, pos)
-            picks: list[torch.Tensor] = []
-            cands: list[torch.Tensor] = []
-            for i, seg in enumerate(segments):
-                rows = slice(seg.offset, seg.offset + seg.rows)
-                n_cols = seg.end // ratio
-                scores = indexer_scores(
-                    qi[rows],
-                    w[rows],
-                    pages.index_data,
-                    pages.index_scales,
-                    tables[rows],
-                    torch.div(pos[rows] + 1, ratio, rounding_mode="floor"),
-                    n_cols,
+            n_visible = torch.div(pos + 1, ratio, rounding_mode="floor")
+            scores = indexer_scores(
+                qi, w, pages.index_data, pages.index_scales, tables, n_visible, n_cols
+            )
+            visible = visible_entries(pos, n_cols, ratio)
+            allowed = visible
+            if role is LayerRole.REINDEX and candidates is not None:
+                allowed = visible & candidates
+            if l == config.candidate_source_layer_id:
+                published = candidate_block_mask(
+                    scores, visible, config.candidate_block_size, config.candidate_topk_blocks
                 )
-                visible = visible_entries(pos[rows], n_cols, ratio)
-                allowed = visible
-                if role is LayerRole.REINDEX and candidates is not None:
-                    allowed = visible & candidates[i]
-                if l == config.candidate_source_layer_id:
-                    cands.append(
-                        candidate_block_mask(
-                            scores,
-                            visible,
-                            config.candidate_block_size,
-                            config.candidate_topk_blocks,
-                        )
-                    )
-                picks.append(select_topk(scores, allowed, config.index_topk))
-            topk[l] = picks
-            idx = torch.cat(picks)
-            if cands:
-                published = cands
+            idx = topk[l] = select_topk(scores, allowed, config.index_topk)
         o = sparse_attention(
             q,
             swa_k,
