@@ -99,6 +99,7 @@ class PersistentStore:
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
+            self._stats.write_errors += 1
             self._disable_writes(exc)
         self._scan()
         if budget_bytes is None:

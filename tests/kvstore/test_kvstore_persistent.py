@@ -262,3 +262,16 @@ def test_chain_over_budget_keeps_its_head_most_recently_used(tmp_path: Path) -> 
     assert _on_disk(store) == set(chain[:3]) and store.stats().dropped_writes == 1
     assert list(store._index) == [chain[2], chain[1], chain[0]]  # eviction order: tail first
     store.close()
+
+
+def test_uncreatable_directory_disables_writes(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    tokens = list(range(2 * PT + 1))
+    with KVCacheManager(LAYOUT, 8 * LAYOUT.page_bytes, kv_dir=blocker / "kv") as kv:
+        plan = kv.plan_restore("a", tokens, "s", 16)
+        kv.allocate("a", len(tokens))
+        assert kv.commit_full_pages("a", tokens, "s") == 2  # the device tier still caches
+        s = kv.stats().ssd
+        assert s.write_errors == 1 and not s.writes_enabled and s.files == 0
+    assert plan.hit_tokens == 0

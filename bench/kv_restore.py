@@ -1,0 +1,244 @@
+"""Restore an 8K-token prefix from the SSD tier vs recomputing it (issue 3 benchmark).
+
+(a) restore: the tiny layout's pages for an 8K-token prefix are written through
+    the KVCacheManager, fsynced, and dropped from the OS page cache
+    (POSIX_FADV_DONTNEED); a fresh manager then rebuilds its index and
+    ``plan_restore`` loads every page into the device pool. Median of --runs.
+    Then the bounded replay the restore implies (the last W prefix tokens plus
+    the new token, ARCHITECTURE 2.1.4) on the tiny model.
+(b) recompute: the same prompt prefilled from scratch on the tiny model
+    (CED prefill, semantics 2), with the dense reference forward
+    (``engine.model.reference``): the only model path there is today.
+(c) bytes on disk per cached token for the official layout, headers included.
+
+    .venv/bin/python bench/kv_restore.py            # writes bench/results/kv_restore.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from kvstore import KVCacheManager, PersistentStore, chain_hashes, kv_layout  # noqa: E402
+
+TINY = dict(kv_source_layer_ids=[2, 4], compress_ratios=[0, 0, 2, 2, 1, 1, 1, 1, 0])
+OFFICIAL = dict(
+    kv_source_layer_ids=[2, 8, 14, 20], compress_ratios=[0, 0] + [2] * 18 + [1] * 20 + [0, 0, 0]
+)
+SALT = "bench"
+
+
+def _drop_page_cache(root: Path) -> int:
+    """fsync + POSIX_FADV_DONTNEED every page file; returns how many were dropped."""
+    n = 0
+    for path in root.rglob("*.kvp"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            n += 1
+        finally:
+            os.close(fd)
+    return n
+
+
+def _resident_bytes(root: Path) -> int | None:
+    """Bytes of the page files still in the OS page cache (util-linux fincore)."""
+    if shutil.which("fincore") is None:
+        return None
+    files = [str(p) for p in root.rglob("*.kvp")]
+    out = subprocess.run(
+        ["fincore", "--bytes", "--noheadings", "--output", "RES", *files],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if out.returncode != 0:
+        return None
+    return sum(int(x) for x in out.stdout.split())
+
+
+def bench_restore(tokens: list[int], runs: int, kv_dir: Path, replay_tokens: int) -> dict:
+    layout = kv_layout(**TINY)
+    pool_bytes = (len(tokens) // layout.page_tokens + 8) * layout.page_bytes
+    gen = torch.Generator().manual_seed(0)
+    with KVCacheManager(layout, pool_bytes, kv_dir=kv_dir, kv_dir_bytes=10**11) as kv:
+        kv.plan_restore("writer", tokens, SALT, replay_tokens)
+        table = kv.allocate("writer", len(tokens))
+        # Random bytes: the tier stores payloads raw, so their content does not matter.
+        kv.memory.pages[table] = torch.randint(
+            0, 256, (len(table), layout.page_bytes), dtype=torch.uint8, generator=gen
+        )
+        expect = kv.memory.pages[table].clone()
+        kv.commit_full_pages("writer", tokens, SALT)
+    n_pages = len(chain_hashes(tokens, SALT, layout.page_tokens))
+    seconds, scans, resident = [], [], []
+    for _ in range(runs):
+        _drop_page_cache(kv_dir)
+        resident.append(_resident_bytes(kv_dir))
+        t0 = time.perf_counter()
+        kv = KVCacheManager(layout, pool_bytes, kv_dir=kv_dir, kv_dir_bytes=10**11)
+        t1 = time.perf_counter()
+        plan = kv.plan_restore("reader", tokens, SALT, replay_tokens)
+        t2 = time.perf_counter()
+        assert plan.ssd_hit_tokens == (len(tokens) - 1) // layout.page_tokens * layout.page_tokens
+        assert torch.equal(kv.memory.pages[plan.page_ids], expect[: len(plan.page_ids)])
+        kv.close()
+        scans.append(t1 - t0)
+        seconds.append(t2 - t1)
+    return {
+        "layout": "tiny",
+        "prefix_tokens": plan.hit_tokens,
+        "pages": n_pages,
+        "bytes_restored": n_pages * layout.page_bytes,
+        "runs": runs,
+        "restore_seconds": seconds,
+        "restore_seconds_median": statistics.median(seconds),
+        "index_rebuild_seconds_median": statistics.median(scans),
+        "page_cache_resident_bytes_before": resident,
+    }
+
+
+def bench_model(tokens: list[int], hit_tokens: int, recompute_runs: int) -> dict:
+    """Recompute (CED prefill) and the restore's bounded replay on the tiny model."""
+    try:
+        from engine.model.config import ModelConfig
+        from engine.model.model import DeepseekV41
+        from engine.model.reference import ReplayPlan, forward
+    except ImportError as exc:  # the model is written by another issue
+        return {"available": False, "reason": f"engine.model not importable: {exc}"}
+    cfg = ModelConfig.tiny()
+    model = DeepseekV41(cfg)
+    model.init_weights(torch.Generator().manual_seed(0))
+    model.eval()
+    ids = torch.tensor(tokens)
+    n, w = len(tokens), cfg.sliding_window
+    recompute = []
+    for _ in range(recompute_runs):
+        t0 = time.perf_counter()
+        full = forward(model, ids, ReplayPlan.prefill(n, w))
+        recompute.append(time.perf_counter() - t0)
+    ratios = {l: cfg.compress_ratios[l] for l in cfg.kv_source_layer_ids}
+    stored = full.global_kv.prefix(hit_tokens, ratios)
+    replay = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        forward(model, ids, ReplayPlan.prefill(n, w, stored_tokens=hit_tokens), stored=stored)
+        replay.append(time.perf_counter() - t0)
+    return {
+        "available": True,
+        "path": "engine.model.reference.forward (dense reference, fp32, CPU)",
+        "recompute_seconds": recompute,
+        "recompute_seconds_median": statistics.median(recompute),
+        "replay_rows": n - max(0, hit_tokens - w),
+        "replay_seconds": replay,
+        "replay_seconds_median": statistics.median(replay),
+    }
+
+
+def bench_disk_bytes(kv_dir: Path, pages: int) -> dict:
+    layout = kv_layout(**OFFICIAL)
+    store = PersistentStore(kv_dir, layout, budget_bytes=10**11)
+    gen = torch.Generator().manual_seed(1)
+    for i in range(pages):
+        payload = torch.randint(0, 256, (layout.page_bytes,), dtype=torch.uint8, generator=gen)
+        store.put(i.to_bytes(32, "big"), payload)
+    store.close()
+    files = list(store.root.rglob("*.kvp"))
+    logical = sum(p.stat().st_size for p in files)
+    allocated = sum(p.stat().st_blocks * 512 for p in files)
+    cached_tokens = len(files) * layout.page_tokens
+    return {
+        "layout": "official",
+        "pages": len(files),
+        "payload_bytes_per_token": layout.bytes_per_token,
+        "file_bytes_per_token": logical / cached_tokens,
+        "allocated_bytes_per_token": allocated / cached_tokens,
+        "goal_bytes_per_token": 890 * 1.02,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=8192, help="prefix length to restore")
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--recompute-runs", type=int, default=1)
+    ap.add_argument("--skip-model", action="store_true", help="restore and disk bytes only")
+    ap.add_argument("--kv-dir", type=Path, default=None, help="a directory on the SSD to test")
+    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "kv_restore.json")
+    args = ap.parse_args()
+
+    load_before = os.getloadavg()
+    base = args.kv_dir or REPO / "bench" / "results"
+    base.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="kv_restore.", dir=base))
+    # The prefix plus one new token; ids inside the tiny model's Engram vocabulary.
+    tokens = [3 + i % 997 for i in range(args.tokens + 1)]
+    try:
+        restore = bench_restore(tokens, args.runs, work / "tiny", replay_tokens=16)
+        print(
+            f"restore {restore['prefix_tokens']} tokens from SSD: "
+            f"median {restore['restore_seconds_median'] * 1e3:.1f} ms "
+            f"(index rebuild {restore['index_rebuild_seconds_median'] * 1e3:.1f} ms)"
+        )
+        disk = bench_disk_bytes(work / "official", pages=256)
+        print(
+            f"official layout on disk: {disk['file_bytes_per_token']:.1f} B/token in files, "
+            f"{disk['allocated_bytes_per_token']:.1f} B/token allocated"
+        )
+        if args.skip_model:
+            model = {"available": False, "reason": "--skip-model"}
+        else:
+            model = bench_model(tokens, restore["prefix_tokens"], args.recompute_runs)
+        if model["available"]:
+            total = restore["restore_seconds_median"] + model["replay_seconds_median"]
+            model["restore_plus_replay_seconds"] = total
+            model["recompute_over_restore"] = model["recompute_seconds_median"] / total
+            model["recompute_over_ssd_load"] = (
+                model["recompute_seconds_median"] / restore["restore_seconds_median"]
+            )
+            print(
+                f"recompute {len(tokens)} tokens: {model['recompute_seconds_median']:.2f} s; "
+                f"restore + replay of {model['replay_rows']} rows: {total:.3f} s; "
+                f"ratio {model['recompute_over_restore']:.0f}x"
+            )
+        else:
+            print(f"recompute half not run: {model['reason']}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    result = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            # Other work on a shared VM skews timings; recorded so readers can judge.
+            "loadavg_before": load_before,
+            "loadavg_after": os.getloadavg(),
+        },
+        "restore": restore,
+        "model": model,
+        "disk": disk,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
