@@ -7,7 +7,7 @@ HOST    ?= 127.0.0.1
 PORT    ?= 8000
 MODEL   ?= tiny
 
-.PHONY: setup serve test lint format clean
+.PHONY: setup serve test lint lint-deploy format clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -19,14 +19,20 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
+# System tools for lint-deploy (promtool, docker-compose), from Debian, when missing.
 setup: $(STAMP)
+	@scripts/install_tools.sh --if-possible
 
 serve: setup
 	$(BIN)/flashserve serve --model $(MODEL) --host $(HOST) --port $(PORT)
 
-lint: setup
+lint: setup lint-deploy
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+
+# Dockerfiles, compose, kustomize overlays, alert rules (scripts/lint_deploy.sh).
+lint-deploy: setup
+	scripts/lint_deploy.sh
 
 format: setup
 	$(BIN)/ruff format .
