@@ -1,0 +1,96 @@
+"""``flashserve bench`` end to end against the stand-in streaming server: table, JSON whose
+arithmetic matches its raw records, counters from /metrics, and plots."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from serving_checks import check_run_arithmetic
+from serving_fake_server import REPLAY_PER_REQUEST, FakeServer, FakeState
+
+from flashserve.cli import main
+
+
+def test_bench_cli_agent_workload(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    state = FakeState(first_delay_s=0.02, gap_s=0.01)
+    with FakeServer(state) as server:
+        code = main(
+            [
+                "bench",
+                "--base-url",
+                server.base_url,
+                "--workload",
+                "agent",
+                "--num-agents",
+                "3",
+                "--turns",
+                "3",
+                "--system-len",
+                "300",
+                "--task-len",
+                "10",
+                "--tool-result-len",
+                "40",
+                "--output-len",
+                "5",
+                "--goodput",
+                "ttft:1000",
+                "tpot:5",
+                "--output-dir",
+                str(tmp_path),
+                "--quiet",
+            ]
+        )
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "Serving Benchmark Result" in out and "Mean TTFT (ms):" in out
+    doc = json.loads((tmp_path / "serving.json").read_text())
+    assert doc["workload"]["name"] == "agent" and doc["workload"]["num_requests"] == 9
+    assert doc["arrivals"]["request_rate"] == "inf"
+    assert doc["model"] == "fake-model" and len(doc["records"]) == 9
+    check_run_arithmetic(doc)
+    m = doc["metrics"]
+    assert m["completed"] == 9 and m["total_output_tokens"] == 45
+    # One chunk per token from the stand-in: 4 gaps per request, each >= 10 ms.
+    assert all(len(r["itl"]) == 4 for r in doc["records"])
+    assert m["median_itl_ms"] >= 10 and m["mean_tpot_ms"] >= 10
+    # tpot:5 ms is impossible with 10 ms gaps: no request is good.
+    assert m["good_completed"] == 0
+    assert doc["server_counters_delta"] == {
+        "preemptions": 4.0,
+        "replay_tokens": 9.0 * REPLAY_PER_REQUEST,
+    }
+    for name in ("ttft_cdf.png", "tpot_cdf.png", "cache_hit_per_turn.png"):
+        assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_cli_failure_exit_code(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Nothing listens on the port: every request fails, the command says so.
+    from bench.serving.launch import free_port
+
+    code = main(
+        [
+            "bench",
+            "--base-url",
+            f"http://127.0.0.1:{free_port()}",
+            "--model",
+            "m",
+            "--workload",
+            "random",
+            "--num-prompts",
+            "2",
+            "--input-len",
+            "8",
+            "--output-dir",
+            str(tmp_path),
+            "--no-plots",
+            "--quiet",
+        ]
+    )
+    assert code == 1
+    doc = json.loads((tmp_path / "serving.json").read_text())
+    assert doc["metrics"]["failed"] == 2 and doc["server_counters_delta"] is None
+    assert "ConnectError" in doc["records"][0]["error"]
+    capsys.readouterr()
