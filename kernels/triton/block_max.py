@@ -55,5 +55,6 @@ def block_max_triton(
         block_size,
         BLOCK_B=block_b,
         WIDTH=width,
+        enable_fp_fusion=False,
     )
     return out

@@ -88,6 +88,7 @@ def gather_main_kv_triton(
             main_scales.stride(1),
             out,
             main_data.shape[1],
+            enable_fp_fusion=False,
         )
     return out
 
@@ -115,5 +116,6 @@ def gather_index_keys_triton(
             index_scales.stride(1),
             out,
             index_data.shape[1],
+            enable_fp_fusion=False,
         )
     return out

@@ -121,5 +121,6 @@ def indexer_scores_triton(
         BLOCK_S=block_s,
         PRECISION=precision,
         num_warps=num_warps,
+        enable_fp_fusion=True,  # fma in the head reduction; compared with a tolerance
     )
     return out

@@ -297,6 +297,7 @@ def sparse_attention_triton(
         SPLIT=split,
         PRECISION=precision,
         num_warps=num_warps,
+        enable_fp_fusion=True,  # fma in the online softmax; compared with a tolerance
     )
     if split:
         _combine_kernel[(t, head_blocks)](
@@ -311,5 +312,6 @@ def sparse_attention_triton(
             num_splits,
             BLOCK_H=block_h,
             num_warps=num_warps,
+            enable_fp_fusion=True,
         )
     return out

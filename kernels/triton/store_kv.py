@@ -118,4 +118,5 @@ def store_kv_entries_triton(
         index_scales,
         index_scales.stride(0),
         index_scales.stride(1),
+        enable_fp_fusion=False,  # no contraction: bit-identical to the PyTorch quantiser
     )

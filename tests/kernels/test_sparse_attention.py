@@ -340,3 +340,73 @@ def test_triton_gpu_bench_dry_run_on_cpu(monkeypatch):
     for r in results:
         assert r.max_abs_err <= bench.TOLERANCE[r.op], r
         assert r.bytes_moved > 0
+
+
+# ----------------------------------------------------------------- compiled for a real GPU
+
+
+def _hopper_compile(fn, pointers: dict[str, str], constexprs: dict, fp_fusion: bool):
+    """Compile a kernel to a Hopper (sm_90) binary without a GPU: what the interpreter skips
+    (types, layouts, shared memory, ptxas) is checked here. Other int args are i32."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import ASTSource
+
+    signature = {name: pointers.get(name, "i32") for name in fn.arg_names}
+    signature.update(dict.fromkeys(constexprs, "constexpr"))
+    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    options = {"num_warps": 4, "enable_fp_fusion": fp_fusion}
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+@pytest.mark.skipif(INTERPRETED, reason="compiles real kernels; the child interprets them")
+def test_kernels_compile_for_hopper():
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    from kernels.triton import block_max, gather_kv, indexer_scores, store_kv
+    from kernels.triton import sparse_attention as attention
+
+    u8, i64, f32, bf16 = "*u8", "*i64", "*fp32", "*bf16"
+    pages = {"md_ptr": u8, "ms_ptr": u8, "id_ptr": u8, "is_ptr": u8, "bt_ptr": i64}
+    kernels = [
+        (
+            store_kv._store_kv_kernel,
+            {**pages, "lat_ptr": bf16, "key_ptr": bf16, "page_ptr": i64, "slot_ptr": i64},
+            {},
+        ),
+        (gather_kv._gather_main_kernel, {**pages, "idx_ptr": i64, "out_ptr": f32}, {}),
+        (gather_kv._gather_index_kernel, {**pages, "out_ptr": f32}, {}),
+        (
+            attention._sparse_attention_kernel,
+            {
+                **pages,
+                "q_ptr": bf16,
+                "swa_ptr": bf16,
+                "valid_ptr": u8,
+                "idx_ptr": i64,
+                "sink_ptr": f32,
+                "out_ptr": bf16,
+                "part_ptr": f32,
+                "ml_ptr": f32,
+                "qk_scale": "fp32",
+            },
+            {"BLOCK_H": 16, "BLOCK_N": 32, "SPLIT": True, "PRECISION": "tf32"},
+        ),
+        (
+            attention._combine_kernel,
+            {"part_ptr": f32, "ml_ptr": f32, "sink_ptr": f32, "out_ptr": bf16},
+            {"BLOCK_H": 16},
+        ),
+        (
+            indexer_scores._indexer_scores_kernel,
+            {**pages, "qi_ptr": bf16, "w_ptr": f32, "nvis_ptr": i64, "out_ptr": f32},
+            {"BLOCK_HEADS": 32, "BLOCK_S": 64, "PRECISION": "tf32"},
+        ),
+        (block_max._block_max_kernel, {"s_ptr": f32, "out_ptr": f32}, {"BLOCK_B": 128, "WIDTH": 8}),
+    ]
+    fused = {attention._sparse_attention_kernel, attention._combine_kernel}
+    fused.add(indexer_scores._indexer_scores_kernel)
+    for fn, pointers, constexprs in kernels:
+        compiled = _hopper_compile(fn, pointers, constexprs, fp_fusion=fn in fused)
+        assert compiled.asm.get("cubin"), fn.__name__
+        assert compiled.metadata.shared <= 227 * 1024, (fn.__name__, compiled.metadata.shared)
