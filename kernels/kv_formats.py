@@ -20,7 +20,7 @@ from kernels.quant import (
     E4M3_MAX,
     E4M3_NAN_BYTE,
     E8M0_NAN_BYTE,
-    e2m1_decode,
+    e2m1_decode_packed,
     e2m1_encode,
     e4m3_from_bytes,
     e4m3_round,
@@ -30,7 +30,6 @@ from kernels.quant import (
     pack_nibbles,
     pow2,
     pow2_exponent,
-    unpack_nibbles,
 )
 
 
@@ -118,7 +117,7 @@ def quantize_main_kv(x: torch.Tensor) -> torch.Tensor:
 def dequantize_main_kv(rec: torch.Tensor) -> torch.Tensor:
     """288-byte records ``[..., 288]`` -> float32 ``[..., 512]``."""
     data, scales = _split(rec, MAIN_KV)
-    values = e2m1_decode(unpack_nibbles(data)).reshape(-1, 32, 16)
+    values = e2m1_decode_packed(data).reshape(-1, 32, 16)
     out = values * e4m3_from_bytes(scales)[..., None]
     return out.reshape(*rec.shape[:-1], 512)
 
@@ -148,7 +147,7 @@ def quantize_index_key(x: torch.Tensor) -> torch.Tensor:
 def dequantize_index_key(rec: torch.Tensor) -> torch.Tensor:
     """68-byte records ``[..., 68]`` -> float32 ``[..., 128]``."""
     data, scales = _split(rec, INDEX_KEY)
-    values = e2m1_decode(unpack_nibbles(data)).reshape(-1, 4, 32)
+    values = e2m1_decode_packed(data).reshape(-1, 4, 32)
     out = values * e8m0_decode(scales)[..., None]
     return out.reshape(*rec.shape[:-1], 128)
 

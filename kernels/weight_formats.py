@@ -27,7 +27,7 @@ from kernels.quant import (
     E2M1_MAX,
     E4M3_MAX,
     E8M0_NAN_BYTE,
-    e2m1_decode,
+    e2m1_decode_packed,
     e2m1_encode,
     e4m3_encode,
     e4m3_from_bytes,
@@ -36,7 +36,6 @@ from kernels.quant import (
     pack_nibbles,
     pow2,
     pow2_exponent,
-    unpack_nibbles,
 )
 
 BLOCK = 32  # every scale covers 32 values along K (and 32 rows for block FP8)
@@ -113,7 +112,7 @@ def dequantize_mxfp4_weight(
     packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16
 ) -> torch.Tensor:
     """int8/uint8 pairs ``[..., out, in/2]``, E8M0 ``[..., out, in/32]`` -> ``[..., out, in]``."""
-    values = e2m1_decode(unpack_nibbles(packed))
+    values = e2m1_decode_packed(packed)
     want = (*values.shape[:-1], values.shape[-1] // BLOCK)
     if tuple(scale.shape) != want or values.shape[-1] % BLOCK:
         raise ValueError(f"dequantize_mxfp4_weight: scale {tuple(scale.shape)}, want {want}")

@@ -193,3 +193,15 @@ def test_pow2_exponent_hand_values():
     a = torch.tensor([6.0, 6.0001, 3.0, 0.0, 448 * 1024.0])
     assert pow2_exponent(a, 6.0, 6.0 * 2.0**-126).tolist() == [0, 1, -1, -126, 17]
     assert pow2_exponent(torch.tensor([448.0, 449.0, 0.0]), 448.0, 1e-4).tolist() == [0, 1, -22]
+
+
+def test_packed_decode_equals_unpack_then_decode_for_every_byte():
+    from kernels.quant import e2m1_decode, e2m1_decode_packed, unpack_nibbles
+
+    every = torch.arange(256, dtype=torch.uint8).reshape(8, 32)
+    expected = e2m1_decode(unpack_nibbles(every))
+    got = e2m1_decode_packed(every)
+    assert got.shape == (8, 64)
+    assert torch.equal(torch.signbit(got), torch.signbit(expected))
+    assert torch.equal(got, expected)
+    assert torch.equal(e2m1_decode_packed(every.view(torch.int8)), expected)
