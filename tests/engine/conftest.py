@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -34,4 +36,18 @@ def tiny_model(tiny_config):
                 p.mul_(5.0)
     vocab_map, _ = build_compressed_vocab(load_tokenizer())
     model.set_compressed_vocab(vocab_map)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def engine_model(tiny_model):
+    """``tiny_model`` with embeddings scaled by 10.
+
+    Token identity then dominates the residual stream, so greedy streams vary
+    from token to token instead of settling on one id: a stream comparison can
+    tell a wrong plan or a wrong KV byte from the right one.
+    """
+    model = copy.deepcopy(tiny_model)
+    with torch.no_grad():
+        model.embed.weight.mul_(10.0)
     return model.eval()

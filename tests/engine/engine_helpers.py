@@ -80,23 +80,26 @@ class CheckingRunner:
 
 
 class RecordingRunner:
-    """Wraps a runner; records each sequence's logits and the plan of each admission."""
+    """Wraps a runner; records, per (request id, choice index), the logits of every
+    step and the plan of every admission that ran its last prefill chunk."""
 
     def __init__(self, inner) -> None:
         self.inner = inner
-        self.logits: dict[int, list[torch.Tensor]] = defaultdict(list)
-        self.admissions: dict[int, list[Admission]] = defaultdict(list)
+        self.logits: dict[tuple[str, int], list[torch.Tensor]] = defaultdict(list)
+        self.admissions: dict[tuple[str, int], list[Admission]] = defaultdict(list)
+        self.max_prefills_per_step = 0
 
     def execute(self, batch: StepBatch) -> dict[int, torch.Tensor]:
+        self.max_prefills_per_step = max(self.max_prefills_per_step, len(batch.prefills))
         for chunk in batch.prefills:
             if chunk.last:
                 s = chunk.seq
-                self.admissions[s.seq_id].append(
+                self.admissions[s.request_id, s.index].append(
                     Admission(s.prefill_end, s.stored_tokens, s.encoder_start, s.decoder_start)
                 )
         out = self.inner.execute(batch)
-        for seq_id, logits in out.items():
-            self.logits[seq_id].append(logits.clone())
+        for seq in batch.sampled():
+            self.logits[seq.request_id, seq.index].append(out[seq.seq_id].clone())
         return out
 
     def release(self, seq: Sequence) -> None:
