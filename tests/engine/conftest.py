@@ -22,8 +22,9 @@ def tiny_model(tiny_config):
     Larger-than-default attention sinks and mHC weights make routing, top-k and
     candidate choices depend visibly on the input (as in tests/engine/model).
     """
-    from engine.model.engram import build_compressed_vocab, load_tokenizer
+    from engine.model.engram import build_compressed_vocab
     from engine.model.model import DeepseekV41
+    from engine.tokenizer import load_tokenizer
 
     torch.manual_seed(0)
     model = DeepseekV41(tiny_config)

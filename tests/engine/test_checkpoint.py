@@ -33,8 +33,9 @@ from engine.checkpoint import (
 )
 from engine.checkpoint_writer import encode_tensor, make_tiny, save_checkpoint
 from engine.model.config import ModelConfig
-from engine.model.engram import build_compressed_vocab, load_tokenizer
+from engine.model.engram import build_compressed_vocab
 from engine.model.model import DeepseekV41
+from engine.tokenizer import load_tokenizer
 
 SEED = 3
 IDS = torch.tensor([0, 5, 17, 99, 1234, 2, 64000, 7, 7, 128803, 31, 8])

@@ -14,8 +14,9 @@ def tiny_config() -> ModelConfig:
 @pytest.fixture(scope="session")
 def tiny_model(tiny_config):
     """A random tiny model in fp32 with the real Engram vocabulary map."""
-    from engine.model.engram import build_compressed_vocab, load_tokenizer
+    from engine.model.engram import build_compressed_vocab
     from engine.model.model import DeepseekV41
+    from engine.tokenizer import load_tokenizer
 
     torch.manual_seed(0)
     model = DeepseekV41(tiny_config)

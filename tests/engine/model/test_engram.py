@@ -19,8 +19,8 @@ from engine.model.engram import (
     engram_layer_primes,
     engram_multipliers,
     engram_offsets,
-    load_tokenizer,
 )
+from engine.tokenizer import load_tokenizer
 
 # default_rng(10007 * 1).integers(0, (2**63 - 1) // 99092 // 2, 4, int64) * 2 + 1,
 # pinned so a change in the draw (seed, bound, dtype, odd-ness) shows up here.
