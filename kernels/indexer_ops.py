@@ -62,8 +62,8 @@ def indexer_scores_reference(
     # fp32, or float64 for float64 queries (the engine's float64 test mode).
     dt = torch.promote_types(qi.dtype, torch.float32)
     out = torch.full((qi.shape[0], n_cols), float("-inf"), dtype=dt, device=qi.device)
-    if qi.shape[0] == 0 or n_cols == 0:
-        return out
+    if qi.shape[0] == 0 or n_cols == 0 or block_tables.shape[1] == 0:
+        return out  # nothing can be visible
     entries_per_page = index_data.shape[1]
     n_visible = n_visible.clamp(max=min(n_cols, block_tables.shape[1] * entries_per_page))
     # Rows of one sequence share a block table: dequantise its keys once.

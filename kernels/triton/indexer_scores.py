@@ -96,7 +96,7 @@ def indexer_scores_triton(
     qi = qi if qi.stride(2) == 1 else qi.contiguous()
     # Entries past the block table cannot be visible (the reference clamps the same way).
     n_visible = n_visible.clamp(max=block_tables.shape[1] * index_data.shape[1]).contiguous()
-    precision = "ieee" if qi.dtype == torch.float32 else "tf32"
+    precision = "tf32" if qi.dtype in (torch.bfloat16, torch.float16) else "ieee"
     _indexer_scores_kernel[(t, triton.cdiv(n_cols, block_s))](
         qi,
         qi.stride(0),

@@ -259,7 +259,7 @@ def sparse_attention_triton(
         ml = torch.empty(num_splits, t, h, 2, dtype=torch.float32, device=q.device)
     else:
         part = ml = out  # unused by the kernel when SPLIT is false
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    precision = "tf32" if q.dtype in (torch.bfloat16, torch.float16) else "ieee"
     _sparse_attention_kernel[(t, head_blocks, num_splits)](
         q,
         q.stride(0),
