@@ -147,6 +147,9 @@ def run(args: argparse.Namespace) -> int:
     from bench.serving.launch import LaunchedServer, ServerSpec
     from bench.serving.metrics import parse_goodput
 
+    if args.compare and args.no_kv_dir:
+        print("--compare launches its own no-SSD server; drop --no-kv-dir", file=sys.stderr)
+        return 2
     slos = parse_goodput(args.goodput) if args.goodput else None
     tokenizer = _tokenizer(args)
     workload = build_workload(args, tokenizer)
