@@ -52,3 +52,22 @@ def engine_model(tiny_model):
     with torch.no_grad():
         model.embed.weight.mul_(10.0)
     return model.eval()
+
+
+@pytest.fixture(scope="session")
+def oracle(engine_model):
+    """``reference_generate`` on ``engine_model``, cached: many tests share prompts."""
+    from engine.model.reference import reference_generate
+
+    cache: dict = {}
+
+    def run(tokens: list[int], n: int, **kw):
+        # ``stored`` is left out of the key: in these tests it is a function of
+        # the prompt, the precision and ``stored_tokens``, which are in it.
+        options = sorted((k, repr(v)) for k, v in kw.items() if k != "stored")
+        key = (tuple(tokens), n, tuple(options))
+        if key not in cache:
+            cache[key] = reference_generate(engine_model, tokens, n, **kw)
+        return cache[key]
+
+    return run

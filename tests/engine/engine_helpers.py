@@ -14,11 +14,22 @@ from engine.model.config import ModelConfig
 from engine.model.reference import KVPrecision
 from engine.reference_runner import ReferenceRunner
 from engine.runner import StepBatch
+from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 from kvstore.layout import kv_layout
 from kvstore.manager import KVCacheManager
 
 TINY = ModelConfig.tiny()
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    """``n`` random token ids (seeded), away from BOS/EOS/pad."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 129000, (n,), generator=g).tolist()
+
+
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
 
 
 def make_kv(

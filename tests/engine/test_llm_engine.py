@@ -12,15 +12,20 @@ import random
 
 import pytest
 import torch
-from engine_helpers import fake_engine, reference_engine, run_to_completion, token_stream
+from engine_helpers import (
+    fake_engine,
+    greedy,
+    prompt,
+    reference_engine,
+    run_to_completion,
+    token_stream,
+)
 
 from engine.model.reference import (
-    GenerateResult,
     GlobalKV,
     KVPrecision,
     ReplayPlan,
     forward,
-    reference_generate,
 )
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -29,32 +34,6 @@ from engine.tokenizer import load_tokenizer
 W = 16  # the tiny model's sliding window = default replay window
 PT = 8  # page tokens in these tests
 ATOL = 1e-4
-
-
-def prompt(n: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 129000, (n,), generator=g).tolist()
-
-
-def greedy(max_tokens: int, **kw) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
-
-
-@pytest.fixture(scope="session")
-def oracle(engine_model):
-    """Cached ``reference_generate`` (many tests share prompts)."""
-    cache: dict = {}
-
-    def run(tokens: list[int], n: int, **kw) -> GenerateResult:
-        # ``stored`` is left out of the key: in these tests it is a function of
-        # the prompt, the precision and ``stored_tokens``, which are in it.
-        options = sorted((k, repr(v)) for k, v in kw.items() if k != "stored")
-        key = (tuple(tokens), n, tuple(options))
-        if key not in cache:
-            cache[key] = reference_generate(engine_model, tokens, n, **kw)
-        return cache[key]
-
-    return run
 
 
 def ratios(model) -> dict[int, int]:
