@@ -35,7 +35,6 @@ import torch
 from kvstore.layout import KVLayout
 from kvstore.page_file import (
     CHECKSUM_BYTES,
-    FILE_SUFFIX,
     HEADER_BYTES,
     TEMP_SUFFIX,
     PageHeader,
@@ -44,11 +43,10 @@ from kvstore.page_file import (
     file_name,
     shard_parts,
 )
+from kvstore.persistent_scan import scan, unlink_quietly
 from kvstore.stats import SSDStats
 
-log = logging.getLogger(__name__)
-
-_HEX = set("0123456789abcdef")
+log = logging.getLogger("kvstore.persistent")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -57,19 +55,6 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        # Our own pid on a file we did not write: a previous process that had it.
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class PersistentStore:
@@ -320,7 +305,7 @@ class PersistentStore:
                     f.flush()
                     os.fsync(f.fileno())
             except BaseException:
-                _unlink_quietly(tmp)
+                unlink_quietly(tmp)
                 raise
             os.rename(tmp, final)
             _fsync_dir(final.parent)
@@ -372,81 +357,15 @@ class PersistentStore:
     def _delete(self, page_hash: bytes) -> None:
         """Forget and unlink under the lock, so a concurrent rewrite is never unlinked."""
         self._drop(page_hash)
-        _unlink_quietly(self.path(page_hash))
+        unlink_quietly(self.path(page_hash))
 
     def _scan(self) -> None:
-        """Rebuild the index from the directory; remove what cannot be served."""
+        """Rebuild the index from the directory (constructor only)."""
         t0 = time.perf_counter()
-        found: list[tuple[float, bytes, int]] = []
-        for shard in _shard_dirs(self.root):
-            try:
-                entries = list(os.scandir(shard))
-            except OSError:
-                continue
-            for entry in entries:
-                name = entry.name
-                if name.endswith(TEMP_SUFFIX):
-                    self._scan_temp(entry)
-                elif name.endswith(FILE_SUFFIX):
-                    item = self._scan_page(entry, shard)
-                    if item is not None:
-                        found.append(item)
-        found.sort()
-        for _mtime, page_hash, size in found:
+        found = scan(self.root, self.file_bytes, self._expected_header)
+        for page_hash, size in found.pages:
             self._index[page_hash] = size
             self._total += size
+        self._stats.skipped_files += found.skipped_files
+        self._stats.stray_temp_files += found.stray_temp_files
         self._stats.scan_seconds = time.perf_counter() - t0
-
-    def _scan_temp(self, entry: os.DirEntry[str]) -> None:
-        parts = entry.name.split(".")  # "", hash, pid, seq, "tmp"
-        try:
-            pid = int(parts[2])
-        except (IndexError, ValueError):
-            pid = -1
-        if pid > 0 and _pid_alive(pid):
-            return  # another live process is writing it
-        if _unlink_quietly(Path(entry.path)):
-            self._stats.stray_temp_files += 1
-
-    def _scan_page(self, entry: os.DirEntry[str], shard: Path) -> tuple[float, bytes, int] | None:
-        stem = entry.name[: -len(FILE_SUFFIX)]
-        ok = len(stem) == 64 and set(stem) <= _HEX
-        page_hash = bytes.fromhex(stem) if ok else b""
-        try:
-            st = entry.stat()
-            ok = ok and shard_parts(page_hash) == (shard.parent.name, shard.name)
-            ok = ok and st.st_size == self.file_bytes
-            if ok:
-                with open(entry.path, "rb", buffering=0) as f:
-                    header = decode_header(f.read(HEADER_BYTES))
-                ok = header == self._expected_header(page_hash)
-        except OSError:
-            ok = False
-        if ok:
-            return st.st_mtime, page_hash, st.st_size
-        log.info("kv persistent tier: skipping unusable file %s", entry.path)
-        self._stats.skipped_files += 1
-        _unlink_quietly(Path(entry.path))
-        return None
-
-
-def _shard_dirs(root: Path) -> list[Path]:
-    out: list[Path] = []
-    try:
-        level1 = sorted(p for p in root.iterdir() if p.is_dir() and len(p.name) == 2)
-    except OSError:
-        return out
-    for a in level1:
-        try:
-            out.extend(sorted(p for p in a.iterdir() if p.is_dir() and len(p.name) == 2))
-        except OSError:
-            continue
-    return out
-
-
-def _unlink_quietly(path: Path) -> bool:
-    try:
-        path.unlink()
-        return True
-    except OSError:
-        return False
