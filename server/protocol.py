@@ -19,11 +19,14 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    ValidationInfo,
     field_validator,
     model_serializer,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
+
+from server.errors import APIError
 
 MAX_TOOLS = 128
 MAX_STOP = 16
@@ -247,13 +250,12 @@ class _SamplingRequest(_Request):
                 raise _parameter_error("biases lie in [-100, 100]; got {b}", b=bias)
         return value
 
-    @model_validator(mode="after")
-    def _stream_options(self) -> _SamplingRequest:
-        if self.stream_options is not None and not self.stream:
-            raise PydanticCustomError(
-                "invalid_parameter", "stream_options is only allowed when stream is true"
-            )
-        return self
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options(cls, value: StreamOptions | None, info: ValidationInfo) -> Any:
+        if value is not None and not info.data.get("stream"):
+            raise _parameter_error("stream_options is only allowed when stream is true")
+        return value
 
     @property
     def stop_list(self) -> list[str]:
@@ -317,18 +319,22 @@ class ChatCompletionRequest(_SamplingRequest):
             raise _format_error("function names must be unique")
         return value
 
-    @model_validator(mode="after")
-    def _combinations(self) -> ChatCompletionRequest:
-        if self.top_logprobs is not None and not self.logprobs:
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, value: Any, info: ValidationInfo) -> Any:
+        names = [t.function.name for t in info.data.get("tools") or []]
+        if value not in (None, "none", "auto") and not names:
+            raise _parameter_error("needs tools (without tools only 'none' or 'auto' is allowed)")
+        if isinstance(value, NamedToolChoice) and value.function.name not in names:
+            raise _parameter_error("names an unknown function {n!r}", n=value.function.name)
+        return value
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and not info.data.get("logprobs"):
             raise _parameter_error("top_logprobs requires logprobs to be true")
-        choice = self.tool_choice
-        if choice not in (None, "none", "auto") and not self.tools:
-            raise _parameter_error("tool_choice {c!r} needs tools", c=self.tool_choice_name)
-        if isinstance(choice, NamedToolChoice) and choice.function.name not in self.tool_names:
-            raise _parameter_error(
-                "tool_choice names an unknown function {n!r}", n=choice.function.name
-            )
-        return self
+        return value
 
     @property
     def tool_names(self) -> list[str]:
@@ -377,11 +383,12 @@ class CompletionRequest(_SamplingRequest):
             raise _parameter_error("token ids are >= 0")
         return value
 
-    @model_validator(mode="after")
-    def _best_of(self) -> CompletionRequest:
-        if self.best_of is not None and self.best_of != self.n:
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and value != info.data.get("n", 1):
             raise _parameter_error("best_of is not supported (it may only equal n)")
-        return self
+        return value
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: text, or token ids."""
@@ -391,6 +398,42 @@ class CompletionRequest(_SamplingRequest):
         if all(isinstance(x, int) for x in p):
             return [list(p)]  # type: ignore[arg-type]
         return list(p)  # type: ignore[arg-type]
+
+
+def resolve_max_tokens(
+    requested: int | None,
+    prompt_tokens: int,
+    max_model_len: int,
+    *,
+    default: int | None = None,
+    prompt_param: str = "messages",
+    max_tokens_param: str = "max_tokens",
+) -> int:
+    """The output budget, checked against the context window (OpenAI's 400 wording).
+
+    Without ``requested`` it is the rest of the context, capped at ``default``.
+    """
+    room = max_model_len - prompt_tokens
+    if room < 1:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"{prompt_param} resulted in {prompt_tokens} tokens. Please reduce the length of "
+            f"the {prompt_param}.",
+            param=prompt_param,
+        )
+    if requested is None:
+        return room if default is None else min(room, default)
+    if requested > room:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {prompt_tokens + requested} tokens ({prompt_tokens} in the "
+            f"{prompt_param}, {requested} in the completion). Please reduce the length of the "
+            f"{prompt_param} or completion.",
+            param=max_tokens_param,
+        )
+    return requested
 
 
 # ---------------------------------------------------------------- responses
