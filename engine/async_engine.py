@@ -146,9 +146,10 @@ class AsyncEngine:
                 self._drain(block=not self.engine.has_unfinished_requests())
                 if self._stopping.is_set():
                     break
-                if self.engine.has_unfinished_requests():
-                    self._deliver(self.engine.step())
+                outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
+                # Snapshot first: a consumer holding its final output sees it counted.
                 self._snapshot()
+                self._deliver(outputs)
         except BaseException as exc:  # a failed step poisons every stream
             logger.exception("engine thread failed")
             with self._lock:
