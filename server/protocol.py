@@ -222,7 +222,7 @@ class _SamplingRequest(_Request):
     repetition_penalty: float | None = Field(default=None, gt=0, le=2)
     max_tokens: int | None = Field(default=None, ge=1)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)  # what torch can seed
     n: int = Field(default=1, ge=1, le=MAX_N)
     logit_bias: dict[str, float] | None = None
     user_id: str | None = None
@@ -244,7 +244,7 @@ class _SamplingRequest(_Request):
     @classmethod
     def _logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         for key, bias in (value or {}).items():
-            if not key.isdigit():
+            if not (key.isascii() and key.isdigit()):
                 raise _parameter_error("keys are token ids; got {k!r}", k=key)
             if not (math.isfinite(bias) and -100 <= bias <= 100):
                 raise _parameter_error("biases lie in [-100, 100]; got {b}", b=bias)
@@ -346,11 +346,6 @@ class ChatCompletionRequest(_SamplingRequest):
         if self.tool_choice is None:
             return "auto" if self.tools else "none"
         return self.tool_choice
-
-    @property
-    def tool_choice_name(self) -> str:
-        choice = self.effective_tool_choice
-        return choice if isinstance(choice, str) else choice.function.name
 
     @property
     def max_output_tokens(self) -> int | None:

@@ -160,6 +160,8 @@ def test_accessors() -> None:
             "only allowed when stream",
         ),
         ({"logit_bias": {"abc": 1}}, 422, "logit_bias", "token ids"),
+        ({"logit_bias": {"²": 1}}, 422, "logit_bias", "token ids"),
+        ({"seed": 2**64}, 422, "seed", "less than"),
         ({"logit_bias": {"5": 101}}, 422, "logit_bias", "[-100, 100]"),
         ({"tools": [TOOL] * 129}, 422, "tools", "at most 128"),
         ({"tool_choice": "required"}, 422, "tool_choice", "needs tools"),
