@@ -21,6 +21,7 @@ from pathlib import Path
 
 import blake3
 import torch
+from tokenizers import Tokenizer
 
 from engine.engine_config import EngineConfig
 from engine.llm_engine import EngineStats, LLMEngine
@@ -118,6 +119,27 @@ class AsyncEngine:
                 self._inbox.put(_Abort(rid))
             with self._lock:
                 self._active.discard(rid)
+
+    def validate(self, request: Request) -> None:
+        """Raise ``ValueError`` if ``request`` can never run (what ``generate`` checks first)."""
+        self.engine.validate(request)
+
+    # The model facts a server needs to build requests (read-only, set at build time).
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self.engine.tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.engine.eos_token_id
 
     def abort(self, request_id: str) -> None:
         """Abort from any thread; a consumer still iterating gets finish reason ``abort``."""
