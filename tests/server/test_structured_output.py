@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from engine.sampler import allowed_token_mask
 from engine.tokenizer import load_tokenizer
 from server.errors import APIError
 from server.protocol import ChatCompletionRequest
@@ -145,6 +146,18 @@ def test_bitmask_expansion_against_bit_arithmetic() -> None:
     allowed = bitmask_to_bool(words, 70)
     expected = [i for i in range(70) if (int(words[i // 32]) >> (i % 32)) & 1]
     assert torch.nonzero(allowed).flatten().tolist() == expected == [0, 1, 3, 63, 64]
+
+
+def test_masks_read_the_same_in_the_engine_sampler(compiler) -> None:
+    # The engine expands the provider's int32 bitmask with its own code path.
+    fmt = request(response_format={"type": "json_object"}).response_format
+    provider = compiler.for_request(response_format=fmt)
+    assert provider.accept_text('{"k": "v')
+    bitmask = provider.allowed_tokens()
+    assert bitmask.dtype == torch.int32 and bitmask.shape == ((VOCAB + 31) // 32,)
+    ours = bitmask_to_bool(bitmask, VOCAB)
+    assert torch.equal(ours, allowed_token_mask(bitmask, VOCAB))
+    assert 1000 < int(ours.sum()) < VOCAB  # string content: most tokens, not all
 
 
 @pytest.mark.parametrize("seed", range(3))
