@@ -24,6 +24,14 @@ from kernels.kv_formats import (
     quantize_index_key,
     quantize_main_kv,
 )
+from kernels.quant import (
+    e2m1_decode,
+    e2m1_encode,
+    e4m3_round,
+    e4m3_to_bytes,
+    pack_nibbles,
+    unpack_nibbles,
+)
 from kvstore.device_pool import SourcePages
 from kvstore.manager import KVCacheManager
 
@@ -105,13 +113,52 @@ class ReferenceRunner:
         pages.index_scales[page, slot] = index[:, index_data:]
 
     def _encode(self, values: torch.Tensor, quantize) -> torch.Tensor:
-        """Records of stored values. The fp4 values are already on the FP4 grid, and
-        quantising them again gives records that decode to the same values."""
-        if self.precision.global_kv == "fp4":
-            return quantize(values)
-        return values.to(torch.bfloat16).contiguous().view(torch.uint8)
+        """Records that decode to exactly the values the reference used.
+
+        The reference hands us values already through the quantiser's round
+        trip. MXFP4 index keys survive a second trip unchanged (a smaller
+        power-of-two scale just doubles the codes); FP4 main records may not
+        (a subnormal E4M3 tile scale can land the tile's largest code on 4),
+        so those go through ``requantize_main_kv``.
+        """
+        if self.precision.global_kv == "bf16":
+            return values.to(torch.bfloat16).contiguous().view(torch.uint8)
+        if quantize is quantize_main_kv:
+            return requantize_main_kv(values)
+        return quantize(values)
 
     def _decode(self, records: torch.Tensor, dequantize) -> torch.Tensor:
         if self.precision.global_kv == "fp4":
             return dequantize(records)
         return records.contiguous().view(torch.bfloat16).float()
+
+
+_E2M1_MAGNITUDES = (6.0, 4.0, 3.0, 2.0, 1.5, 1.0, 0.5)
+
+
+def requantize_main_kv(values: torch.Tensor) -> torch.Tensor:
+    """288-byte records decoding to exactly ``values`` [N, 512], which lie on the FP4 grid.
+
+    ``quantize_main_kv`` does that for most tiles. For the others, the tile's
+    original scale is ``amax / c`` for ``c`` its largest code's magnitude: try
+    each magnitude and keep a scale that E4M3 represents and that puts every
+    value on a code.
+    """
+    rec = quantize_main_kv(values)
+    tiles = values.float().reshape(-1, 32, 16)
+    bad = (dequantize_main_kv(rec).reshape(-1, 32, 16) != tiles).any(-1)
+    if not bool(bad.any()):
+        return rec
+    codes = unpack_nibbles(rec[:, :256]).reshape(-1, 32, 16)
+    scales = rec[:, 256:].clone()
+    amax = tiles.abs().amax(-1)
+    for c in _E2M1_MAGNITUDES:
+        scale = amax / c
+        fits = bad & (scale > 0) & (e4m3_round(scale) == scale)
+        trial = e2m1_encode(tiles / torch.where(fits, scale, 1.0)[..., None])
+        fits &= (e2m1_decode(trial) * scale[..., None] == tiles).all(-1)
+        codes = torch.where(fits[..., None], trial, codes)
+        scales = torch.where(fits, e4m3_to_bytes(scale), scales)
+        bad &= ~fits
+    assert not bool(bad.any()), "values are not on the FP4 main-KV grid"
+    return torch.cat([pack_nibbles(codes.reshape(-1, 512)), scales], dim=1)
