@@ -7,8 +7,7 @@
     Then the bounded replay the restore implies (the last W prefix tokens plus
     the new token, ARCHITECTURE 2.1.4) on the tiny model.
 (b) recompute: the same prompt prefilled from scratch on the tiny model
-    (CED prefill, semantics 2), with the dense reference forward
-    (``engine.model.reference``): the only model path there is today.
+    (CED prefill, semantics 2) by the engine's paged runner.
 (c) bytes on disk per cached token for the official layout, headers included.
 
     .venv/bin/python bench/kv_restore.py            # writes bench/results/kv_restore.json
@@ -18,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import platform
@@ -115,34 +115,63 @@ def bench_restore(tokens: list[int], runs: int, kv_dir: Path, replay_tokens: int
 
 
 def bench_model(tokens: list[int], hit_tokens: int, recompute_runs: int) -> dict:
-    """Recompute (CED prefill) and the restore's bounded replay on the tiny model."""
-    try:
-        from engine.model.config import ModelConfig
-        from engine.model.model import DeepseekV41
-        from engine.model.reference import ReplayPlan, forward
-    except ImportError as exc:  # the model is written by another issue
-        return {"available": False, "reason": f"engine.model not importable: {exc}"}
+    """Recompute (CED prefill) and the restore's bounded replay on the tiny model.
+
+    Both run the engine's paged runner: the recompute prefills every token in
+    chunks of 512 and commits its pages; the replay is a second request whose
+    plan finds those pages (H = hit_tokens) and runs only rows [H - W, L).
+    """
+    from engine.model.config import ModelConfig
+    from engine.model.engram import build_compressed_vocab
+    from engine.model.model import DeepseekV41
+    from engine.model_runner import PagedModelRunner
+    from engine.runner import PrefillChunk, StepBatch
+    from engine.sequence import Sequence
+    from engine.tokenizer import load_tokenizer
+
     cfg = ModelConfig.tiny()
     model = DeepseekV41(cfg)
     model.init_weights(torch.Generator().manual_seed(0))
+    model.set_compressed_vocab(build_compressed_vocab(load_tokenizer())[0])
     model.eval()
-    ids = torch.tensor(tokens)
+    torch.set_grad_enabled(False)
     n, w = len(tokens), cfg.sliding_window
-    recompute = []
-    for _ in range(recompute_runs):
+    layout = kv_layout(**TINY)
+    kv = KVCacheManager(layout, (2 * n // layout.page_tokens + 8) * layout.page_bytes)
+    runner = PagedModelRunner(model, kv, max_num_seqs=2)
+    seq_ids = itertools.count()
+
+    def prefill(rid: str, salt: str, chunk: int = 512) -> float:
+        plan = kv.plan_restore(rid, tokens, salt, w)
+        seq = Sequence(
+            seq_id=next(seq_ids),
+            request_id=rid,
+            token_ids=list(tokens),
+            num_prompt_tokens=n,
+            salt=salt,
+        )
+        seq.stored_tokens, seq.encoder_start = plan.hit_tokens, plan.replay_start
+        seq.decoder_start, seq.prefill_end = max(plan.replay_start, n - w), n
+        seq.block_table = kv.allocate(rid, n)
         t0 = time.perf_counter()
-        full = forward(model, ids, ReplayPlan.prefill(n, w))
-        recompute.append(time.perf_counter() - t0)
-    ratios = {l: cfg.compress_ratios[l] for l in cfg.kv_source_layer_ids}
-    stored = full.global_kv.prefix(hit_tokens, ratios)
-    replay = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        forward(model, ids, ReplayPlan.prefill(n, w, stored_tokens=hit_tokens), stored=stored)
-        replay.append(time.perf_counter() - t0)
+        for c0 in range(seq.encoder_start, n, chunk):
+            c1 = min(c0 + chunk, n)
+            runner.execute(StepBatch(prefills=[PrefillChunk(seq, c0, c1, c1 == n)]))
+        elapsed = time.perf_counter() - t0
+        assert plan.hit_tokens in (0, hit_tokens), plan
+        kv.commit_full_pages(rid, tokens, salt)
+        runner.release(seq)
+        kv.free(rid)
+        return elapsed
+
+    recompute, replay = [], []
+    for i in range(recompute_runs):
+        # A fresh salt per run: nothing cached, then the same salt: everything cached.
+        recompute.append(prefill(f"cold{i}", f"run{i}"))
+        replay.append(prefill(f"warm{i}", f"run{i}"))
     return {
         "available": True,
-        "path": "engine.model.reference.forward (dense reference, fp32, CPU)",
+        "path": "engine.model_runner.PagedModelRunner (tiny, fp32, CPU, chunks of 512)",
         "recompute_seconds": recompute,
         "recompute_seconds_median": statistics.median(recompute),
         "replay_rows": n - max(0, hit_tokens - w),
