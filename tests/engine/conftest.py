@@ -10,6 +10,17 @@ import torch
 from engine.model.config import ModelConfig
 
 
+@pytest.fixture(scope="module")
+def single_thread():
+    """One intra-op thread for the module: the tiny model's ops are too small to
+    gain from two, and on a busy 2-core machine OpenMP's spinning threads
+    slow them down twenty-fold."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 @pytest.fixture(scope="session")
 def tiny_config() -> ModelConfig:
     return ModelConfig.tiny()
