@@ -25,10 +25,9 @@ from tokenizers import Tokenizer
 
 from engine.engine_config import EngineConfig
 from engine.llm_engine import EngineStats, LLMEngine
-from engine.model.engram import build_compressed_vocab
 from engine.model.model import DeepseekV41
 from engine.request import Request, RequestOutput
-from engine.tokenizer import TOKENIZER_FILE, load_tokenizer
+from engine.tokenizer import TOKENIZER_FILE, load_tokenizer, packaged_tokenizer_path
 
 logger = logging.getLogger(__name__)
 
@@ -230,21 +229,24 @@ class AsyncEngine:
 
 
 def build_engine(config: EngineConfig, model: str | Path) -> LLMEngine:
-    """Model, tokenizer and engine for ``model`` ("tiny" or a checkpoint directory)."""
-    if str(model) == "tiny":
-        net, model_id = _tiny_model(config), f"tiny-random-seed{config.seed}"
-        tokenizer = load_tokenizer()
-    else:
-        from engine.checkpoint import load_checkpoint
+    """Model, tokenizer and engine for ``model`` ("tiny" or a checkpoint directory).
 
+    A checkpoint's own ``tokenizer.json`` wins (``load_checkpoint`` then sets
+    Engram's token classes from it); otherwise the packaged tokenizer serves
+    both the text and the classes.
+    """
+    from engine.checkpoint import load_checkpoint, set_engram_vocab
+
+    if str(model) == "tiny":
+        net, model_id, own_tokenizer = _tiny_model(config), f"tiny-random-seed{config.seed}", None
+    else:
         path = Path(model)
         _, net = load_checkpoint(path, dtype=config.torch_dtype, device=config.device)
-        has_own = (path / TOKENIZER_FILE).is_file()
-        tokenizer = load_tokenizer(path if has_own else None)
         model_id = checkpoint_fingerprint(path)
-    # Engram's token -> class map comes from the tokenizer, not the weights.
-    vocab_map, _ = build_compressed_vocab(tokenizer)
-    net.set_compressed_vocab(vocab_map.to(net.engram_vocab_map.device))
+        own_tokenizer = path / TOKENIZER_FILE if (path / TOKENIZER_FILE).is_file() else None
+    if own_tokenizer is None:
+        set_engram_vocab(net, net.config, packaged_tokenizer_path())
+    tokenizer = load_tokenizer(own_tokenizer)
     torch.manual_seed(config.seed)  # the global RNG of unseeded sampling
     return LLMEngine.build(config, net.eval(), tokenizer=tokenizer, model_id=model_id)
 
