@@ -139,6 +139,17 @@ def _tokenizer(args: argparse.Namespace) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     _import_path()
+    import httpx
+
+    try:
+        return _run(args)
+    except (RuntimeError, TimeoutError, httpx.HTTPError) as exc:
+        # A server that would not start or answer: one line, not a traceback.
+        print(f"flashserve bench: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+
+
+def _run(args: argparse.Namespace) -> int:
     import asyncio
 
     from bench.serving import compare, report

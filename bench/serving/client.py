@@ -192,7 +192,11 @@ async def stream_request(
 async def served_model(client: httpx.AsyncClient, base_url: str) -> str:
     """The first model ``/v1/models`` lists (the served name on flashserve)."""
     response = await client.get(base_url + "/v1/models", timeout=30)
-    response.raise_for_status()
+    if response.status_code != 200:
+        raise RuntimeError(
+            f"GET /v1/models answered {response.status_code}: {response.text[:300]} "
+            "(name the model with --model)"
+        )
     return response.json()["data"][0]["id"]
 
 

@@ -94,3 +94,7 @@ def test_bench_cli_failure_exit_code(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert doc["metrics"]["failed"] == 2 and doc["server_counters_delta"] is None
     assert "ConnectError" in doc["records"][0]["error"]
     capsys.readouterr()
+    # Without --model the first call is GET /v1/models: one error line, exit 1.
+    code = main(["bench", "--base-url", f"http://127.0.0.1:{free_port()}", "--quiet"])
+    assert code == 1
+    assert capsys.readouterr().err.startswith("flashserve bench: ConnectError")
