@@ -59,6 +59,7 @@ class _Add:
 @dataclass(slots=True)
 class _Abort:
     request_id: str
+    report: bool  # False: the consumer is gone; drop its stream, make no final output
 
 
 class AsyncEngine:
@@ -115,7 +116,7 @@ class AsyncEngine:
         finally:
             # Closed early, cancelled, or failed: the engine must let go of it.
             if not finished:
-                self._inbox.put(_Abort(rid))
+                self._inbox.put(_Abort(rid, report=False))
             with self._lock:
                 self._active.discard(rid)
 
@@ -142,7 +143,7 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         """Abort from any thread; a consumer still iterating gets finish reason ``abort``."""
-        self._inbox.put(_Abort(request_id))
+        self._inbox.put(_Abort(request_id, report=True))
 
     def stats(self) -> EngineStats:
         """The snapshot taken after the engine thread's latest step (never blocks on compute)."""
@@ -202,8 +203,10 @@ class AsyncEngine:
                 return
             self._streams[rid] = cmd.stream
         else:
-            # Frees pages now; the final "abort" output comes with the next step.
-            self.engine.abort(cmd.request_id)
+            # Frees pages now; a reported abort's final output comes with the next step.
+            self.engine.abort(cmd.request_id, report=cmd.report)
+            if not cmd.report:
+                self._streams.pop(cmd.request_id, None)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

@@ -222,10 +222,11 @@ class LLMEngine:
         self._requests[request.request_id] = _RequestState(request, choices)
         self.counters.requests_added += 1
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str, *, report: bool = True) -> bool:
         """Finish every choice of ``request_id`` now, freeing its pages; False if unknown.
 
-        The final output (finish reason ``abort``) comes with the next ``step``.
+        With ``report``, the final output (finish reason ``abort``) comes with
+        the next ``step``; without, nobody is listening and none is made.
         """
         state = self._requests.pop(request_id, None)
         if state is None:
@@ -241,7 +242,8 @@ class LLMEngine:
             seq.finish_reason = "abort"
             seq.finished = now
             choice.pending_text = ""  # held-back text is dropped with the request
-        self._pending_outputs.append(self._output(state))
+        if report:
+            self._pending_outputs.append(self._output(state))
         self._count_finished(state)
         return True
 

@@ -78,10 +78,20 @@ def test_closing_the_iterator_early_aborts_and_frees_pages(async_engine):
         assert async_engine.stats().kv.device_pages_in_use > 0
         await stream.aclose()
         await wait_for(lambda: async_engine.stats().kv.device_pages_in_use == 0)
+        assert async_engine.stats().counters.finished == {"abort": 1}
+
+        # An id is free again as soon as its consumer closes, and the new
+        # stream sees nothing of the old request.
+        stream = async_engine.generate(Request("again", prompt(40, 9), greedy(500)))
+        await stream.__anext__()
+        await stream.aclose()
+        again = await collect(async_engine, Request("again", prompt(40, 9), greedy(2)))
+        assert len(tokens_of(again)) == 2 and again[-1].outputs[0].finish_reason == "length"
+        await wait_for(lambda: async_engine.stats().kv.device_pages_in_use == 0)
 
     asyncio.run(main())
     stats = async_engine.stats()
-    assert stats.counters.finished == {"abort": 1}
+    assert stats.counters.finished == {"abort": 2, "length": 1}
     assert stats.running == stats.waiting == 0
 
 
