@@ -290,9 +290,7 @@ class LLMEngine:
     def _sample_and_append(self, seqs: list[Sequence], logits: dict[int, torch.Tensor]) -> None:
         choices = [self._choice(s) for s in seqs]
         params = [self._requests[s.request_id].request.sampling_params for s in seqs]
-        histories = [
-            SeqHistory(s.token_ids[: s.num_prompt_tokens], s.output_token_ids) for s in seqs
-        ]
+        histories = [SeqHistory(s.prompt_view, s.output_view) for s in seqs]
         out = self.sampler.sample(
             torch.stack([logits[s.seq_id] for s in seqs]),
             params,
@@ -353,7 +351,7 @@ class LLMEngine:
 
     def _commit(self, seq: Sequence) -> None:
         """Cache the sequence's newly full pages (rows whose KV the runner wrote)."""
-        self.kv.commit_full_pages(seq.seq_id, seq.token_ids[: seq.num_computed], seq.salt)
+        self.kv.commit_full_pages(seq.seq_id, seq.computed_view, seq.salt)
 
     # ------------------------------------------------------------ outputs
     def _choice(self, seq: Sequence) -> _Choice:

@@ -9,10 +9,39 @@ resume a restore (docs/design/semantics.md, docs/design/engine.md).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
 from enum import StrEnum
 
 from kvstore.page_hash import Salt
+
+
+class TokenSlice(SequenceABC[int]):
+    """A read-only window ``ids[start:stop]`` of a growing token list, without a copy.
+
+    The sampler's histories and the page commits read a sequence's tokens every
+    step; copying 32K-token lists per sequence per step would be engine overhead.
+    """
+
+    __slots__ = ("_ids", "_start", "_stop")
+
+    def __init__(self, ids: list[int], start: int, stop: int) -> None:
+        self._ids, self._start, self._stop = ids, start, stop
+
+    def __len__(self) -> int:
+        return self._stop - self._start
+
+    def __getitem__(self, i: int | slice) -> int | list[int]:  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self._ids[self._start + k] for k in range(*i.indices(len(self)))]
+        if not -len(self) <= i < len(self):
+            raise IndexError(i)
+        return self._ids[self._start + (i % len(self))]
+
+    def __iter__(self) -> Iterator[int]:
+        ids = self._ids
+        return (ids[k] for k in range(self._start, self._stop))
 
 
 class SequenceStatus(StrEnum):
@@ -76,6 +105,19 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def prompt_view(self) -> TokenSlice:
+        return TokenSlice(self.token_ids, 0, self.num_prompt_tokens)
+
+    @property
+    def output_view(self) -> TokenSlice:
+        return TokenSlice(self.token_ids, self.num_prompt_tokens, self.num_tokens)
+
+    @property
+    def computed_view(self) -> TokenSlice:
+        """Tokens whose KV the runner has written (what page commits hash)."""
+        return TokenSlice(self.token_ids, 0, self.num_computed)
 
     @property
     def in_prefill(self) -> bool:

@@ -7,7 +7,7 @@ from engine_helpers import make_kv
 from engine.engine_config import EngineConfig
 from engine.runner import StepBatch
 from engine.scheduler import Scheduler
-from engine.sequence import Sequence, SequenceStatus
+from engine.sequence import Sequence, SequenceStatus, TokenSlice
 
 W = 16  # replay window (the tiny model's sliding window)
 
@@ -199,3 +199,16 @@ def test_disabled_ced_runs_the_decoder_from_the_encoder_start():
     sched.add(s)
     sched.schedule()
     assert (s.stored_tokens, s.encoder_start, s.decoder_start) == (0, 0, 0)
+
+
+def test_token_slice_reads_like_a_list_slice():
+    ids = list(range(100, 113))
+    for start in range(0, 14):
+        for stop in range(start, 14):
+            view, want = TokenSlice(ids, start, stop), ids[start:stop]
+            assert len(view) == len(want) and list(view) == want
+            assert view[:] == want and view[1:4] == want[1:4] and view[-3:] == want[-3:]
+            if want:
+                assert (view[0], view[-1]) == (want[0], want[-1])
+    ids.append(7)  # a view of a growing list sees only its window
+    assert list(TokenSlice(ids, 10, 13)) == [110, 111, 112]
