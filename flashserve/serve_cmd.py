@@ -1,0 +1,232 @@
+"""``flashserve serve``: load a checkpoint, start the engine, serve the API with uvicorn.
+
+``--model tiny`` is the built-in tiny checkpoint: written once with
+``make_tiny`` into the cache directory and then loaded like any checkpoint, so
+serving it runs the real loader and the real tokenizer file. The cache
+directory is ``$FLASHSERVE_CACHE``, else ``$XDG_CACHE_HOME/flashserve``, else
+``~/.cache/flashserve``; the checkpoint is ``tiny-seed{SEED}`` inside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import uvicorn
+
+    from engine.engine_config import EngineConfig
+    from server.settings import ServerSettings
+
+NAME = "serve"
+HELP = "serve the OpenAI/DeepSeek-compatible API (--model tiny or a checkpoint directory)"
+
+CACHE_ENV = "FLASHSERVE_CACHE"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", default="tiny", help="'tiny' (built-in random checkpoint) or a checkpoint dir"
+    )
+    http = parser.add_argument_group("HTTP")
+    http.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
+    http.add_argument("--port", type=int, default=8000, help="listen port; 0 = any free port")
+    http.add_argument(
+        "--served-model-name", default="deepseek-flash", help="API model name (default %(default)s)"
+    )
+    http.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        help="accepted API key (repeatable; also FLASHSERVE_API_KEYS, comma-separated); "
+        "none = no authentication",
+    )
+    http.add_argument("--max-body-bytes", type=int, default=32 << 20, help="larger bodies get 413")
+    http.add_argument(
+        "--keep-alive-seconds",
+        type=float,
+        default=10.0,
+        help="SSE ': keep-alive' comment after this long without an event",
+    )
+    http.add_argument(
+        "--max-concurrent-requests",
+        type=int,
+        default=None,
+        help="requests held at once (running or queued); more get 429 (default: no limit)",
+    )
+    http.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=None,
+        help="output budget of requests naming none (default: the rest of the context)",
+    )
+    http.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
+
+    engine = parser.add_argument_group("engine (EngineConfig)")
+    engine.add_argument("--max-num-seqs", type=int, default=64, help="sequences running at once")
+    engine.add_argument(
+        "--max-num-batched-tokens", type=int, default=2048, help="rows per engine step"
+    )
+    engine.add_argument(
+        "--prefill-chunk-tokens", type=int, default=512, help="prefill rows per sequence per step"
+    )
+    engine.add_argument("--page-tokens", type=int, default=64, help="tokens per KV page")
+    engine.add_argument(
+        "--kv-cache-bytes", type=int, default=1 << 30, help="device KV tier budget in bytes"
+    )
+    engine.add_argument("--kv-dir", default=None, help="SSD KV tier directory (default: none)")
+    engine.add_argument(
+        "--kv-dir-bytes", type=int, default=None, help="SSD tier budget (default: unbounded)"
+    )
+    engine.add_argument(
+        "--replay-tokens", type=int, default=None, help="bounded-replay window (default: SWA)"
+    )
+    engine.add_argument(
+        "--disable-ced", action="store_true", help="full-depth prefill instead of CED"
+    )
+    engine.add_argument("--kv-dtype", choices=("fp4", "bf16"), default="fp4")
+    engine.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    engine.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    engine.add_argument(
+        "--max-model-len", type=int, default=None, help="prompt + output cap (default: model's)"
+    )
+    engine.add_argument("--runner", choices=("paged", "reference"), default="paged")
+    engine.add_argument(
+        "--seed", type=int, default=0, help="tiny model weights and the sampling RNG (default 0)"
+    )
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The ``EngineConfig`` the flags describe."""
+    from engine.engine_config import EngineConfig
+
+    return EngineConfig(
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        prefill_chunk_tokens=args.prefill_chunk_tokens,
+        page_tokens=args.page_tokens,
+        kv_cache_bytes=args.kv_cache_bytes,
+        kv_dir=args.kv_dir,
+        kv_dir_bytes=args.kv_dir_bytes,
+        replay_tokens=args.replay_tokens,
+        enable_ced=not args.disable_ced,
+        kv_dtype=args.kv_dtype,
+        device=args.device,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        runner=args.runner,
+        seed=args.seed,
+    )
+
+
+def server_settings(
+    args: argparse.Namespace, fingerprint: str, env: dict[str, str] | None = None
+) -> ServerSettings:
+    """The ``ServerSettings`` the flags (and ``FLASHSERVE_API_KEYS``) describe."""
+    from server.settings import ServerSettings, collect_api_keys
+
+    return ServerSettings(
+        served_model_name=args.served_model_name,
+        api_keys=collect_api_keys(args.api_key, os.environ if env is None else env),
+        max_body_bytes=args.max_body_bytes,
+        keep_alive_s=args.keep_alive_seconds,
+        max_concurrent_requests=args.max_concurrent_requests,
+        default_max_tokens=args.default_max_tokens,
+        system_fingerprint=fingerprint,
+    )
+
+
+def cache_dir(env: dict[str, str] | None = None) -> Path:
+    env = dict(os.environ) if env is None else env
+    if env.get(CACHE_ENV):
+        return Path(env[CACHE_ENV])
+    if env.get("XDG_CACHE_HOME"):
+        return Path(env["XDG_CACHE_HOME"]) / "flashserve"
+    return Path.home() / ".cache" / "flashserve"
+
+
+def tiny_checkpoint(seed: int, root: Path) -> Path:
+    """The tiny checkpoint of ``seed`` under ``root``, written on first use.
+
+    It is written into a temporary sibling and renamed into place, so a
+    directory that exists is complete (an interrupted first run leaves only
+    the temporary, which the next run replaces).
+    """
+    from engine.checkpoint_writer import make_tiny
+
+    path = root / f"tiny-seed{seed}"
+    if (path / "config.json").is_file():
+        return path
+    _say(f"writing the tiny checkpoint to {path} (first run)")
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".tiny-seed{seed}.{os.getpid()}.tmp"
+    make_tiny(tmp, seed)
+    try:
+        tmp.rename(path)
+    except OSError:  # another process got there first
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+
+    import uvicorn
+
+    from engine.async_engine import AsyncEngine, checkpoint_fingerprint
+    from server.app import create_app
+
+    started = time.monotonic()
+    config = engine_config(args)
+    path = tiny_checkpoint(args.seed, cache_dir()) if args.model == "tiny" else Path(args.model)
+    if not (path / "config.json").is_file():
+        print(
+            f"flashserve serve: {path} is not a checkpoint directory (no config.json)",
+            file=sys.stderr,
+        )
+        return 2
+    weights = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    _say(
+        f"loading checkpoint {path} ({weights / 2**20:.1f} MiB) on {config.device}, {config.dtype}"
+    )
+    engine = AsyncEngine(config, path)
+    fingerprint = "fp_" + checkpoint_fingerprint(path)[:10]
+    _say(f"engine ready in {time.monotonic() - started:.1f} s")
+    try:
+        app = create_app(engine, server_settings(args, fingerprint))
+        server = uvicorn.Server(
+            uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
+        )
+        asyncio.run(_serve(server, args.served_model_name))
+    finally:
+        engine.shutdown()
+    return 0
+
+
+async def _serve(server: uvicorn.Server, model: str) -> None:
+    """Run uvicorn; print the URL once it listens (the real port when ``--port 0``)."""
+    import asyncio
+
+    task = asyncio.create_task(server.serve())
+    while not server.started and not task.done():
+        await asyncio.sleep(0.05)
+    if server.started:
+        url = _url(server)
+        _say(f"serving {model} at {url} (OpenAI base URL {url}/v1)")
+    await task
+
+
+def _url(server: uvicorn.Server) -> str:
+    host, port = server.servers[0].sockets[0].getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    return f"http://{shown}:{port}"
+
+
+def _say(message: str) -> None:
+    print(f"flashserve: {message}", flush=True)

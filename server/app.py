@@ -1,0 +1,206 @@
+"""The FastAPI app: routes, authentication, the body limit and the one error shape.
+
+``create_app(engine, settings)`` is the whole HTTP surface; ``flashserve serve``
+runs it under uvicorn. Routes are thin: chat and completions live in
+``serving_chat`` and ``serving_completions``. Every failure, including
+FastAPI's own (validation, unknown path, wrong method) and any bug, leaves as
+``{"error": {...}}`` with DeepSeek's status codes.
+"""
+
+# No `from __future__ import annotations`: FastAPI reads the route signatures at
+# runtime, and their dependencies (``auth``) are local to ``create_app``.
+import logging
+from importlib.metadata import PackageNotFoundError, version
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI
+from fastapi import Request as HttpRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.async_engine import AsyncEngine
+from server.auth import api_key_dependency
+from server.body_limit import BodySizeLimit
+from server.errors import APIError, from_validation_errors, server_error, unavailable
+from server.generation import Admission, ServingContext
+from server.logprobs import TokenTexts
+from server.metrics import CONTENT_TYPE, ServerMetrics
+from server.model_names import model_ids
+from server.protocol import (
+    ChatCompletion,
+    ChatCompletionRequest,
+    Completion,
+    CompletionRequest,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+)
+from server.serving_chat import create_chat_completion
+from server.serving_completions import create_completion
+from server.settings import ServerSettings
+from server.sse import MEDIA_TYPE
+from server.structured_output import StructuredOutputCompiler
+
+logger = logging.getLogger(__name__)
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorResponse, "description": "Invalid format"},
+    401: {"model": ErrorResponse, "description": "Authentication fails"},
+    413: {"model": ErrorResponse, "description": "Request body too large"},
+    422: {"model": ErrorResponse, "description": "Invalid parameters"},
+    429: {"model": ErrorResponse, "description": "Request queue full"},
+    500: {"model": ErrorResponse, "description": "Server error"},
+    503: {"model": ErrorResponse, "description": "Engine not running"},
+}
+
+
+def _stream_or(model: type) -> dict[int | str, dict[str, Any]]:
+    """Responses of an endpoint answering JSON, or SSE when ``stream`` is true."""
+    ok = {"model": model, "content": {MEDIA_TYPE: {"schema": {"type": "string"}}}}
+    return {200: ok, **_ERRORS}
+
+
+def _version() -> str:
+    try:
+        return version("flashserve")
+    except PackageNotFoundError:
+        return "0.0.0"
+
+
+def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> FastAPI:
+    """The API over ``engine``; the caller starts and shuts down the engine."""
+    settings = settings or ServerSettings()
+    tokenizer = engine.tokenizer
+    if tokenizer is None:
+        raise ValueError("the server needs an engine with a tokenizer")
+    ctx = ServingContext(
+        engine=engine,
+        settings=settings,
+        metrics=ServerMetrics(settings.served_model_name),
+        tokenizer=tokenizer,
+        token_texts=TokenTexts(tokenizer),
+        structured=StructuredOutputCompiler(
+            tokenizer,
+            vocab_size=engine.vocab_size,
+            eos_token_id=1 if engine.eos_token_id is None else engine.eos_token_id,
+        ),
+        admission=Admission(settings.max_concurrent_requests),
+    )
+    app = FastAPI(
+        title="flashserve",
+        version=_version(),
+        summary="OpenAI- and DeepSeek-compatible API for DeepSeek-V4.1-Flash",
+    )
+    app.state.serving = ctx
+    _install_error_handlers(app)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    auth = api_key_dependency(settings.api_keys)
+
+    async def chat_completions(
+        body: ChatCompletionRequest,
+        request: HttpRequest,
+        api_key: Annotated[str | None, Depends(auth)],
+    ) -> Response:
+        return await create_chat_completion(ctx, body, api_key=api_key, http_request=request)
+
+    async def completions(
+        body: CompletionRequest,
+        request: HttpRequest,
+        api_key: Annotated[str | None, Depends(auth)],
+    ) -> Response:
+        return await create_completion(ctx, body, api_key=api_key, http_request=request, fim=False)
+
+    async def fim_completions(
+        body: CompletionRequest,
+        request: HttpRequest,
+        api_key: Annotated[str | None, Depends(auth)],
+    ) -> Response:
+        return await create_completion(ctx, body, api_key=api_key, http_request=request, fim=True)
+
+    # (path, endpoint, operation id); the unversioned aliases stay out of the schema.
+    posts = [
+        (
+            "/v1/chat/completions",
+            chat_completions,
+            "create_chat_completion",
+            _stream_or(ChatCompletion),
+        ),
+        (
+            "/beta/chat/completions",
+            chat_completions,
+            "create_beta_chat_completion",
+            _stream_or(ChatCompletion),
+        ),
+        ("/chat/completions", chat_completions, None, _stream_or(ChatCompletion)),
+        ("/v1/completions", completions, "create_completion", _stream_or(Completion)),
+        ("/completions", completions, None, _stream_or(Completion)),
+        ("/beta/completions", fim_completions, "create_fim_completion", _stream_or(Completion)),
+    ]
+    for path, endpoint, operation_id, responses in posts:
+        app.add_api_route(
+            path,
+            endpoint,
+            methods=["POST"],
+            response_model=None,
+            responses=responses,
+            operation_id=operation_id,
+            include_in_schema=operation_id is not None,
+        )
+
+    async def list_models(_: Annotated[str | None, Depends(auth)]) -> ModelList:
+        return ModelList(
+            data=[ModelCard(id=name) for name in model_ids(settings.served_model_name)]
+        )
+
+    async def retrieve_model(model: str, _: Annotated[str | None, Depends(auth)]) -> ModelCard:
+        if model not in model_ids(settings.served_model_name):
+            raise APIError(404, "Model Not Exist", param="model")
+        return ModelCard(id=model)
+
+    for path, schema in (("/v1/models", True), ("/models", False)):
+        app.add_api_route(
+            path, list_models, methods=["GET"], responses=_ERRORS, include_in_schema=schema
+        )
+    app.add_api_route("/v1/models/{model}", retrieve_model, methods=["GET"], responses=_ERRORS)
+
+    @app.get("/health", responses={503: _ERRORS[503]})
+    async def health() -> dict[str, str]:
+        """200 while the engine thread runs (no authentication)."""
+        if not engine.is_running:
+            raise unavailable("The engine is not running")
+        return {"status": "ok"}
+
+    @app.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE: {}}}})
+    async def metrics() -> Response:
+        """Prometheus metrics (no authentication; names in docs/metrics.md)."""
+        ctx.metrics.set_engine_stats(engine.stats())
+        return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)
+
+    return app
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    def reply(error: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
+        return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+    async def api_error(_: HttpRequest, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, APIError)
+        return reply(exc)
+
+    async def validation_error(_: HttpRequest, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        return reply(from_validation_errors(exc.errors()))
+
+    async def http_error(_: HttpRequest, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        return reply(APIError(exc.status_code, str(exc.detail)), exc.headers)
+
+    async def unexpected(request: HttpRequest, exc: Exception) -> JSONResponse:
+        logger.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+        return reply(server_error())
+
+    app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(Exception, unexpected)

@@ -1,0 +1,220 @@
+"""Running an API request's engine requests: admission, merge, cancellation, metrics.
+
+An API request becomes one or more engine requests (``EngineCall``): one per
+prompt of a completions request, or one per choice when each choice needs a
+grammar of its own. ``Generation`` runs each in a task of its own and merges
+their outputs, so waiting for the next output (with a timeout, for keep-alive
+comments and disconnect checks) never cancels an engine stream. Closing it
+cancels those tasks, which makes ``AsyncEngine.generate`` abort its request and
+free its pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from tokenizers import Tokenizer
+
+from engine.async_engine import AsyncEngine, EngineDeadError
+from engine.request import CompletionOutput, Request, RequestOutput, Usage
+from server.errors import APIError, invalid_parameter, invalid_request, overloaded, unavailable
+from server.logprobs import TokenTexts
+from server.metrics import ServerMetrics
+from server.protocol import Usage as ApiUsage
+from server.settings import ServerSettings
+from server.structured_output import StructuredOutputCompiler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Admission:
+    """Counts requests in flight; over the limit a new one is a 429 (event loop only)."""
+
+    limit: int | None = None
+    active: int = 0
+
+    def enter(self) -> None:
+        if self.limit is not None and self.active >= self.limit:
+            raise overloaded()
+        self.active += 1
+
+    def leave(self) -> None:
+        self.active -= 1
+
+
+@dataclass(slots=True)
+class ServingContext:
+    """What serving any API request needs; one per app."""
+
+    engine: AsyncEngine
+    settings: ServerSettings
+    metrics: ServerMetrics
+    tokenizer: Tokenizer
+    token_texts: TokenTexts
+    structured: StructuredOutputCompiler
+    admission: Admission = field(default_factory=Admission)
+
+    def encode(self, text: str) -> list[int]:
+        """Prompt text (special tokens written out) -> ids; BOS is part of the text."""
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+
+@dataclass(slots=True)
+class EngineCall:
+    """One engine request serving choices ``first_index ..`` of the API request."""
+
+    request: Request
+    first_index: int
+    prompt_group: int = 0  # calls of one prompt count its tokens once in the usage
+
+
+@dataclass(slots=True)
+class ChoiceUpdate:
+    index: int  # the API choice index
+    output: CompletionOutput
+
+
+def engine_error(exc: BaseException) -> APIError:
+    """The API error for an exception out of the engine."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, EngineDeadError):
+        return unavailable(f"The engine is not running: {exc}")
+    if isinstance(exc, ValueError):
+        return request_error(str(exc))
+    logger.error("engine request failed", exc_info=exc)
+    return APIError(500, "The server had an error while processing your request")
+
+
+def request_error(message: str, prompt_param: str = "messages") -> APIError:
+    """A ``ValueError`` of ``AsyncEngine.validate``: a prompt problem or a sampling field."""
+    if message.startswith("prompt_token_ids"):
+        return invalid_request(message.replace("prompt_token_ids", prompt_param, 1), prompt_param)
+    if message.startswith("SamplingParams."):
+        name = message.removeprefix("SamplingParams.").split(":", 1)[0].split("/", 1)[0]
+        return invalid_parameter(message, name)
+    return invalid_request(message)
+
+
+class Generation:
+    """The merged outputs of an API request's engine calls."""
+
+    def __init__(
+        self,
+        ctx: ServingContext,
+        calls: list[EngineCall],
+        *,
+        prompt_param: str = "messages",
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """Validate every call, then take a place in the admission count (or raise)."""
+        for call in calls:
+            try:
+                ctx.engine.validate(call.request)
+            except ValueError as exc:
+                raise request_error(str(exc), prompt_param) from exc
+        ctx.admission.enter()
+        self._ctx = ctx
+        self._calls = sorted(calls, key=lambda c: c.first_index)
+        self._clock = clock
+        self._queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
+        self._usage: dict[int, Usage] = {}
+        self._open = len(calls)
+        self._closed = False
+        self._tasks = [
+            asyncio.create_task(self._pump(k, call)) for k, call in enumerate(self._calls)
+        ]
+
+    async def _pump(self, k: int, call: EngineCall) -> None:
+        token_times: list[float] = []
+        try:
+            async for out in self._ctx.engine.generate(call.request):
+                if out.metrics.last_token_time is not None and any(
+                    o.token_ids for o in out.outputs
+                ):
+                    token_times.append(out.metrics.last_token_time)
+                if out.finished:
+                    self._observe(out, token_times)
+                self._queue.put_nowait((k, out))
+        except Exception as exc:  # CancelledError is not one: closing stays silent
+            self._queue.put_nowait((k, exc))
+
+    def _observe(self, out: RequestOutput, token_times: list[float]) -> None:
+        m = out.metrics
+        self._ctx.metrics.observe_request(
+            arrival=m.arrival_time,
+            first_scheduled=m.first_scheduled_time,
+            token_times=token_times,
+            finished=m.finished_time if m.finished_time is not None else self._clock(),
+        )
+
+    @property
+    def finished(self) -> bool:
+        """Every call has delivered its last output."""
+        return self._open == 0
+
+    async def next(self, timeout: float) -> list[ChoiceUpdate] | None:
+        """The choices one engine output changed; None when nothing came within ``timeout``."""
+        try:
+            k, item = await asyncio.wait_for(self._queue.get(), timeout)
+        except TimeoutError:
+            return None
+        if isinstance(item, BaseException):
+            raise engine_error(item)
+        self._usage[k] = item.usage
+        if item.finished:
+            self._open -= 1
+        first = self._calls[k].first_index
+        return [ChoiceUpdate(first + o.index, o) for o in item.outputs]
+
+    def usage(self, reasoning_tokens: int = 0) -> ApiUsage:
+        """Usage of the whole API request: each prompt counted once, every choice's output."""
+        prompt = completion = cached = 0
+        groups: set[int] = set()
+        for k, call in enumerate(self._calls):
+            u = self._usage.get(k)
+            if u is None:
+                continue
+            completion += u.completion_tokens
+            if call.prompt_group not in groups:
+                groups.add(call.prompt_group)
+                prompt += u.prompt_tokens
+                cached += u.prompt_cache_hit_tokens
+        return ApiUsage.build(prompt, completion, cached, min(reasoning_tokens, completion))
+
+    async def close(self) -> None:
+        """Cancel unfinished calls (the engine aborts them) and leave the admission count."""
+        if self._closed:
+            return
+        self._closed = True
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._ctx.admission.leave()
+
+
+class ClientGone(Exception):
+    """The client of a non-streamed request disconnected."""
+
+
+async def run_to_end(
+    gen: Generation,
+    on_update: Callable[[ChoiceUpdate], None],
+    is_disconnected: Callable[[], Awaitable[bool]],
+    poll_s: float,
+) -> None:
+    """Feed every update to ``on_update`` until all calls finish; ``ClientGone`` if the
+    client leaves first (``is_disconnected``: an async check, polled every ``poll_s``)."""
+    while not gen.finished:
+        updates = await gen.next(poll_s)
+        if updates is None:
+            if await is_disconnected():
+                raise ClientGone
+            continue
+        for update in updates:
+            on_update(update)

@@ -1,0 +1,227 @@
+"""``POST /v1/completions`` (and ``/completions``) and FIM at ``/beta/completions``.
+
+Each prompt is one engine request with ``n`` choices; choice ``k`` of prompt
+``i`` has index ``i * n + k`` (OpenAI's order). A ``suffix`` (or the ``/beta``
+path) makes the prompt fill-in-the-middle: the model writes what goes between
+``prompt`` and ``suffix``. ``echo`` puts the prompt text before the output;
+its tokens are listed in ``logprobs`` without values (the engine scores only
+the tokens it generates).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+
+from fastapi import Request as HttpRequest
+from fastapi.responses import Response
+
+from engine.request import CompletionOutput, Request
+from server.auth import tenant_salt
+from server.chat_encoding import encode_completion, encode_fim
+from server.errors import APIError, invalid_request
+from server.generation import (
+    ChoiceUpdate,
+    ClientGone,
+    EngineCall,
+    Generation,
+    ServingContext,
+    run_to_end,
+)
+from server.logprobs import extend_completion_logprobs, extend_prompt_logprobs
+from server.model_names import resolve_model
+from server.protocol import (
+    Completion,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionLogprobs,
+    CompletionRequest,
+    FinishReason,
+    resolve_max_tokens,
+)
+from server.sampling import sampling_params
+from server.serving_chat import CLIENT_CLOSED
+from server.sse import DONE, KEEP_ALIVE, EventStreamResponse, event
+
+
+@dataclass(slots=True)
+class _Prompt:
+    ids: list[int]  # what the engine reads
+    echo_text: str  # what ``echo`` shows: the prompt as the client wrote it
+    echo_ids: list[int]  # the tokens of ``echo_text``, for ``logprobs``
+
+
+@dataclass(slots=True)
+class _Choice:
+    """One choice's text and logprobs; ``offset`` is where the next token's text starts."""
+
+    text: str = ""
+    logprobs: CompletionLogprobs | None = None
+    offset: int = 0
+    finish_reason: FinishReason | None = None
+
+
+async def create_completion(
+    ctx: ServingContext,
+    body: CompletionRequest,
+    *,
+    api_key: str | None,
+    http_request: HttpRequest,
+    fim: bool,
+) -> Response:
+    """``fim``: the ``/beta/completions`` path (always fill-in-the-middle)."""
+    route = resolve_model(body.model, ctx.settings.served_model_name)
+    prompts = [_prompt(ctx, p, body.suffix, fim) for p in body.prompts()]
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    salt = tenant_salt(api_key, body.cache_salt)
+    calls = []
+    for i, prompt in enumerate(prompts):
+        max_tokens = resolve_max_tokens(
+            body.max_tokens,
+            len(prompt.ids),
+            ctx.engine.max_model_len,
+            default=ctx.settings.default_max_tokens,
+            prompt_param="prompt",
+        )
+        params = sampling_params(
+            body,
+            max_tokens=max_tokens,
+            n=body.n,
+            logprobs=body.logprobs,
+            vocab_size=ctx.engine.vocab_size,
+        )
+        request = Request(f"{request_id}-{i}", prompt.ids, params, cache_salt=salt)
+        calls.append(EngineCall(request, first_index=i * body.n, prompt_group=i))
+    gen = Generation(ctx, calls, prompt_param="prompt")
+    choices = [_start_choice(ctx, prompts[i // body.n], body) for i in range(len(calls) * body.n)]
+    created = int(time.time())
+
+    if body.stream:
+        events = _events(ctx, body, gen, choices, request_id, created, route.name)
+        return EventStreamResponse(events, on_close=gen.close)
+    try:
+        await run_to_end(
+            gen,
+            lambda u: _apply(ctx, choices[u.index], u.output),
+            http_request.is_disconnected,
+            ctx.settings.disconnect_poll_s,
+        )
+    except ClientGone:
+        return Response(status_code=CLIENT_CLOSED)
+    finally:
+        await gen.close()
+    completion = Completion(
+        id=request_id,
+        created=created,
+        model=route.name,
+        system_fingerprint=ctx.settings.system_fingerprint,
+        choices=[
+            CompletionChoice(
+                index=i, text=c.text, logprobs=c.logprobs, finish_reason=c.finish_reason or "stop"
+            )
+            for i, c in enumerate(choices)
+        ],
+        usage=gen.usage(),
+    )
+    return Response(completion.model_dump_json(), media_type="application/json")
+
+
+def _prompt(ctx: ServingContext, prompt: str | list[int], suffix: str | None, fim: bool) -> _Prompt:
+    if isinstance(prompt, list):
+        if suffix is not None or fim:
+            raise invalid_request("fill-in-the-middle needs a text prompt", "prompt")
+        bad = [t for t in prompt if t >= ctx.engine.vocab_size]
+        if bad:
+            raise invalid_request(
+                f"prompt: token id {bad[0]} is outside the vocabulary "
+                f"(size {ctx.engine.vocab_size})",
+                "prompt",
+            )
+        return _Prompt(
+            list(prompt), ctx.tokenizer.decode(prompt, skip_special_tokens=False), prompt
+        )
+    text = encode_fim(prompt, suffix) if fim or suffix is not None else encode_completion(prompt)
+    return _Prompt(ctx.encode(text), prompt, ctx.encode(prompt))
+
+
+def _start_choice(ctx: ServingContext, prompt: _Prompt, body: CompletionRequest) -> _Choice:
+    """A choice before generation: the echoed prompt (and its logprob rows) already in."""
+    choice = _Choice(logprobs=CompletionLogprobs() if body.logprobs is not None else None)
+    if body.echo:
+        choice.text = prompt.echo_text
+        if choice.logprobs is not None:
+            extend_prompt_logprobs(choice.logprobs, ctx.token_texts, prompt.echo_ids, 0)
+        choice.offset = len(prompt.echo_text)
+    return choice
+
+
+def _apply(
+    ctx: ServingContext, choice: _Choice, out: CompletionOutput
+) -> CompletionLogprobs | None:
+    """Add one engine delta; returns the delta's own logprobs (for a stream chunk)."""
+    choice.text += out.text
+    delta_logprobs = None
+    if choice.logprobs is not None and out.logprobs is not None:
+        delta_logprobs = CompletionLogprobs()
+        start = choice.offset
+        choice.offset = extend_completion_logprobs(
+            delta_logprobs, ctx.token_texts, out.logprobs, start
+        )
+        for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            getattr(choice.logprobs, name).extend(getattr(delta_logprobs, name))
+    if out.finish_reason is not None:
+        choice.finish_reason = "length" if out.finish_reason == "length" else "stop"
+    return delta_logprobs
+
+
+async def _events(
+    ctx: ServingContext,
+    body: CompletionRequest,
+    gen: Generation,
+    choices: list[_Choice],
+    request_id: str,
+    created: int,
+    model: str,
+):
+    exclude = None if body.include_usage else {"usage"}
+
+    def chunk(items: list[CompletionChoice], usage=None) -> bytes:
+        payload = CompletionChunk(
+            id=request_id,
+            created=created,
+            model=model,
+            system_fingerprint=ctx.settings.system_fingerprint,
+            choices=items,
+            usage=usage,
+        )
+        return event(payload, exclude=exclude)
+
+    if body.echo:  # the prompt is the first text of each choice
+        for i, c in enumerate(choices):
+            yield chunk([CompletionChoice(index=i, text=c.text, logprobs=c.logprobs)])
+    try:
+        while not gen.finished:
+            updates: list[ChoiceUpdate] | None = await gen.next(ctx.settings.keep_alive_s)
+            if updates is None:
+                yield KEEP_ALIVE
+                continue
+            for u in updates:
+                choice = choices[u.index]
+                logprobs = _apply(ctx, choice, u.output)
+                if u.output.text or (logprobs is not None and logprobs.tokens):
+                    yield chunk(
+                        [CompletionChoice(index=u.index, text=u.output.text, logprobs=logprobs)]
+                    )
+                if u.output.finish_reason is not None:
+                    done = CompletionChoice(
+                        index=u.index, text="", finish_reason=choice.finish_reason
+                    )
+                    yield chunk([done])
+    except APIError as exc:
+        yield event(exc.body())
+        yield DONE
+        return
+    if body.include_usage:
+        yield chunk([], usage=gen.usage())
+    yield DONE

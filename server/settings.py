@@ -1,0 +1,59 @@
+"""How the HTTP layer behaves: one dataclass, filled from ``flashserve serve`` flags.
+
+Engine settings live in ``engine.engine_config.EngineConfig``; these are only
+what the server itself decides (who may call it, how large a body may be, how
+often an idle stream is kept alive).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from server.model_names import DEFAULT_SERVED_MODEL_NAME
+
+API_KEYS_ENV = "FLASHSERVE_API_KEYS"
+
+
+@dataclass(slots=True)
+class ServerSettings:
+    """Settings of one ``create_app``; ``api_keys`` empty means no authentication."""
+
+    served_model_name: str = DEFAULT_SERVED_MODEL_NAME
+    api_keys: tuple[str, ...] = ()
+    # Larger than any honest request (128 tools with schemas, a long context as
+    # text); small enough that a runaway upload is refused before it is parsed.
+    max_body_bytes: int = 32 << 20
+    # A ": keep-alive" comment after this many seconds without an event keeps
+    # proxies and clients from timing out a stream that waits in the queue.
+    keep_alive_s: float = 10.0
+    # Requests held at once (streaming or not, running or queued); over it: 429.
+    max_concurrent_requests: int | None = None
+    # Output budget when a request names none; None = the rest of the context.
+    default_max_tokens: int | None = None
+    system_fingerprint: str = "fp_flashserve"
+    # How often a non-streamed request checks whether its client has gone.
+    disconnect_poll_s: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.max_body_bytes < 1:
+            raise ValueError("ServerSettings.max_body_bytes must be >= 1")
+        if not self.keep_alive_s > 0 or not self.disconnect_poll_s > 0:
+            raise ValueError("ServerSettings: keep_alive_s and disconnect_poll_s must be > 0")
+        for name in ("max_concurrent_requests", "default_max_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"ServerSettings.{name} must be >= 1 (or None)")
+        if any(not key for key in self.api_keys):
+            raise ValueError("ServerSettings.api_keys: keys must not be empty")
+
+
+def collect_api_keys(
+    flags: Iterable[str] | None, env: Mapping[str, str] = os.environ
+) -> tuple[str, ...]:
+    """Keys from repeated ``--api-key`` flags and ``FLASHSERVE_API_KEYS`` (comma-separated),
+    in that order, without blanks or repeats."""
+    keys = list(flags or [])
+    keys += env.get(API_KEYS_ENV, "").split(",")
+    return tuple(dict.fromkeys(k.strip() for k in keys if k.strip()))
