@@ -1,0 +1,49 @@
+"""Fixtures of the live-API tests: one ``flashserve serve --model tiny`` for the session
+(how it is started and configured: api_helpers.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import openai
+import pytest
+from api_helpers import LiveServer, checkpoint_cache, start_server, stop_server
+from tokenizers import Tokenizer
+
+
+@pytest.fixture(scope="session")
+def live_server(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LiveServer]:
+    cache = checkpoint_cache(request.config.cache.mkdir("flashserve"))
+    server = start_server(cache, tmp_path_factory.mktemp("live-server"))
+    try:
+        yield server
+    finally:
+        stop_server(server)
+
+
+@pytest.fixture(scope="session")
+def client(live_server: LiveServer) -> openai.OpenAI:
+    return live_server.client()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(live_server: LiveServer, request: pytest.FixtureRequest) -> Tokenizer:
+    """The served checkpoint's own tokenizer (the packaged one lacks ``<｜System｜>``)."""
+    from engine.tokenizer import load_tokenizer
+
+    cache = checkpoint_cache(request.config.cache.mkdir("flashserve"))
+    return load_tokenizer(cache / "tiny-seed0")
+
+
+@pytest.fixture(scope="session")
+def no_whitespace_bias(tokenizer: Tokenizer) -> dict[str, int]:
+    """``logit_bias`` banning every all-whitespace token.
+
+    Grammars allow whitespace between tags and values; a random model left
+    alone spends its budget there, so forced-format tests ban it to finish in
+    a few dozen tokens. (Byte-level BPE writes space, newline, tab and CR as
+    these four characters.)
+    """
+    return {str(i): -100 for t, i in tokenizer.get_vocab().items() if t and set(t) <= set("ĠĊĉč")}
