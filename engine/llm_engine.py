@@ -192,7 +192,8 @@ class LLMEngine:
             raise ValueError("SamplingParams.n: a mask provider serves one sequence (n = 1)")
 
     def add_request(self, request: Request) -> None:
-        assert request.request_id not in self._requests, f"duplicate id {request.request_id!r}"
+        if request.request_id in self._requests:
+            raise ValueError(f"request id {request.request_id!r} is already in the engine")
         self.validate(request)
         params = request.sampling_params
         choices = []

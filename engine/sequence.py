@@ -50,9 +50,11 @@ class SequenceStatus(StrEnum):
     FINISHED = "finished"
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class Sequence:
     """State of one choice of a request, as the scheduler and the runner see it.
+
+    Compared by identity: two choices with equal tokens are still two sequences.
 
     Plan of the current admission (docs/design/semantics.md): ``stored_tokens``
     (H) tokens of global KV came from the store; the encoder runs rows
