@@ -41,5 +41,12 @@ format: setup
 test: setup lint
 	$(BIN)/python -m pytest -q
 
+# A small agent workload on the tiny model over HTTP, server launched on a free
+# loopback port (bench/serving/; results in bench/results/serving/).
+.PHONY: bench
+BENCH_ARGS ?= --workload agent --num-agents 8 --turns 6 --system-len 2048 --tool-result-len 512 --output-len 16 --request-rate 1
+bench: setup
+	$(BIN)/flashserve bench --launch --launch-model $(MODEL) $(BENCH_ARGS)
+
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

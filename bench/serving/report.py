@@ -125,7 +125,8 @@ def format_table(document: Mapping[str, Any]) -> str:
 def _cdf_axes(ax: Any, values_ms: Sequence[float], label: str) -> None:
     v = np.sort(np.asarray(values_ms, dtype=np.float64))
     if v.size:
-        ax.step(v, np.arange(1, v.size + 1) / v.size, where="post", label=label)
+        # Start at (first value, 0) so the first step is drawn.
+        ax.step(np.r_[v[0], v], np.arange(v.size + 1) / v.size, where="post", label=label)
 
 
 def write_plots(runs: Mapping[str, Sequence[RequestRecord]], out_dir: Path) -> list[Path]:
@@ -134,6 +135,7 @@ def write_plots(runs: Mapping[str, Sequence[RequestRecord]], out_dir: Path) -> l
 
     matplotlib.use("Agg")  # files only, never a window
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -161,6 +163,7 @@ def write_plots(runs: Mapping[str, Sequence[RequestRecord]], out_dir: Path) -> l
     for label, records in runs.items():
         by_turn = cache_hit_by_turn(records)
         ax.plot(list(by_turn), list(by_turn.values()), marker="o", label=label)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("turn")
     ax.set_ylabel("prompt_cache_hit_tokens / prompt_tokens (mean)")
     ax.set_ylim(0, 1.02)
