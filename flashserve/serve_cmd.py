@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -198,15 +199,26 @@ def run(args: argparse.Namespace) -> int:
     engine = AsyncEngine(config, path)
     fingerprint = "fp_" + checkpoint_fingerprint(path)[:10]
     _say(f"engine ready in {time.monotonic() - started:.1f} s")
+    # uvicorn stops gracefully on SIGINT/SIGTERM, then re-raises the signal. SIGTERM's
+    # default action would kill the process before the engine flushes its SSD tier.
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         app = create_app(engine, server_settings(args, fingerprint))
         server = uvicorn.Server(
             uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
         )
         asyncio.run(_serve(server, args.served_model_name))
+    except KeyboardInterrupt:
+        pass  # the stop signal, raised again after the graceful shutdown
     finally:
+        signal.signal(signal.SIGTERM, previous)
+        _say("shutting down the engine")
         engine.shutdown()
     return 0
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 async def _serve(server: uvicorn.Server, model: str) -> None:

@@ -161,9 +161,12 @@ class Generation:
     async def next(self, timeout: float) -> list[ChoiceUpdate] | None:
         """The choices one engine output changed; None when nothing came within ``timeout``."""
         try:
-            k, item = await asyncio.wait_for(self._queue.get(), timeout)
-        except TimeoutError:
-            return None
+            k, item = self._queue.get_nowait()
+        except asyncio.QueueEmpty:
+            try:
+                k, item = await asyncio.wait_for(self._queue.get(), timeout)
+            except TimeoutError:
+                return None
         if isinstance(item, BaseException):
             raise engine_error(item)
         self._usage[k] = item.usage
@@ -207,14 +210,17 @@ async def run_to_end(
     on_update: Callable[[ChoiceUpdate], None],
     is_disconnected: Callable[[], Awaitable[bool]],
     poll_s: float,
+    clock: Callable[[], float] = time.monotonic,
 ) -> None:
     """Feed every update to ``on_update`` until all calls finish; ``ClientGone`` if the
-    client leaves first (``is_disconnected``: an async check, polled every ``poll_s``)."""
+    client leaves first (``is_disconnected``: an async check, made every ``poll_s``
+    whether or not outputs keep coming)."""
+    next_check = clock() + poll_s
     while not gen.finished:
-        updates = await gen.next(poll_s)
-        if updates is None:
+        updates = await gen.next(max(0.0, next_check - clock()))
+        for update in updates or ():
+            on_update(update)
+        if clock() >= next_check:
             if await is_disconnected():
                 raise ClientGone
-            continue
-        for update in updates:
-            on_update(update)
+            next_check = clock() + poll_s
