@@ -14,8 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.dispatch import use_triton
-from kernels.kv_cache_ops import locate, read_index_records
-from kernels.kv_formats import dequantize_index_key
+from kernels.kv_cache_ops import is_raw_bf16, locate, read_index
 
 # Reference work sizes: bound the [rows, heads, columns] fp32 dot products.
 _REFERENCE_ROWS = 64
@@ -39,7 +38,7 @@ def indexer_scores(
     index-key page views, block_tables ``Long[T, max_pages]`` (each row's
     sequence, padded with 0), n_visible ``Long[T]``.
     """
-    if use_triton(qi, index_data):
+    if use_triton(qi, index_data) and not is_raw_bf16(index_scales):
         from kernels.triton.indexer_scores import indexer_scores_triton
 
         return indexer_scores_triton(
@@ -74,7 +73,7 @@ def indexer_scores_reference(
         for c0 in range(0, n, _REFERENCE_COLS):
             cols = torch.arange(c0, min(c0 + _REFERENCE_COLS, n), device=qi.device)
             pages, slots = locate(tables[u], cols, entries_per_page)
-            k = dequantize_index_key(read_index_records(index_data, index_scales, pages, slots))
+            k = read_index(index_data, index_scales, pages, slots)
             for r0 in range(0, rows.numel(), _REFERENCE_ROWS):
                 r = rows[r0 : r0 + _REFERENCE_ROWS]
                 dots = torch.einsum("thd,sd->ths", qi[r].to(dt), k.to(dt))

@@ -8,6 +8,11 @@ Records are the ``kernels.kv_formats`` ones: the 288-byte FP4 main record and
 the 68-byte MXFP4 index key, split into their data and scale bytes.
 
 Each public op runs the Triton kernel or the PyTorch reference (``kernels.dispatch``).
+
+The ``--kv-dtype bf16`` ablation stores unquantised records: 1024 data bytes
+(512 bf16 values) and 256 (128 bf16 values), with no scale bytes. A source
+whose scale views are empty is read and written that way, by the references
+only (the Triton kernels decode FP4).
 """
 
 from __future__ import annotations
@@ -47,6 +52,29 @@ def read_index_records(
     return torch.cat((index_data[pages, slots], index_scales[pages, slots]), dim=-1)
 
 
+def is_raw_bf16(scales: torch.Tensor) -> bool:
+    """True for the bf16 ablation's pages: records without scale bytes."""
+    return scales.shape[-1] == 0
+
+
+def read_main(
+    main_data: torch.Tensor, main_scales: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor
+) -> torch.Tensor:
+    """float32 ``[..., 512]`` values of the main records at (pages, slots)."""
+    if is_raw_bf16(main_scales):
+        return main_data[pages, slots].view(torch.bfloat16).float()
+    return dequantize_main_kv(read_main_records(main_data, main_scales, pages, slots))
+
+
+def read_index(
+    index_data: torch.Tensor, index_scales: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor
+) -> torch.Tensor:
+    """float32 ``[..., 128]`` values of the index keys at (pages, slots)."""
+    if is_raw_bf16(index_scales):
+        return index_data[pages, slots].view(torch.bfloat16).float()
+    return dequantize_index_key(read_index_records(index_data, index_scales, pages, slots))
+
+
 # ----------------------------------------------------------------- store
 
 
@@ -68,7 +96,7 @@ def store_kv_entries(
     """
     if latents.shape[0] == 0:
         return
-    if use_triton(main_data, latents):
+    if use_triton(main_data, latents) and not is_raw_bf16(main_scales):
         from kernels.triton.store_kv import store_kv_entries_triton
 
         store_kv_entries_triton(
@@ -90,6 +118,10 @@ def store_kv_entries_reference(
     latents: torch.Tensor,
     keys: torch.Tensor,
 ) -> None:
+    if is_raw_bf16(main_scales):
+        main_data[page_ids, slots] = latents.to(torch.bfloat16).view(torch.uint8)
+        index_data[page_ids, slots] = keys.to(torch.bfloat16).view(torch.uint8)
+        return
     main = quantize_main_kv(latents)
     index = quantize_index_key(keys)
     # Indexed assignment on a view writes through to the pool's storage.
@@ -109,7 +141,7 @@ def gather_main_kv(
     entry_idx: torch.Tensor,
 ) -> torch.Tensor:
     """float32 ``[..., 512]``: dequantised main records of ``entry_idx [...]``; -1 gives zeros."""
-    if use_triton(main_data, entry_idx):
+    if use_triton(main_data, entry_idx) and not is_raw_bf16(main_scales):
         from kernels.triton.gather_kv import gather_main_kv_triton
 
         return gather_main_kv_triton(main_data, main_scales, block_table, entry_idx)
@@ -123,7 +155,7 @@ def gather_main_kv_reference(
     entry_idx: torch.Tensor,
 ) -> torch.Tensor:
     pages, slots = locate(block_table, entry_idx, main_data.shape[1])
-    out = dequantize_main_kv(read_main_records(main_data, main_scales, pages, slots))
+    out = read_main(main_data, main_scales, pages, slots)
     return out.masked_fill((entry_idx < 0)[..., None], 0.0)
 
 
@@ -134,7 +166,7 @@ def gather_index_keys(
     n_entries: int,
 ) -> torch.Tensor:
     """float32 ``[n_entries, 128]``: the dequantised index keys of entries ``0 .. n_entries-1``."""
-    if use_triton(index_data, block_table):
+    if use_triton(index_data, block_table) and not is_raw_bf16(index_scales):
         from kernels.triton.gather_kv import gather_index_keys_triton
 
         return gather_index_keys_triton(index_data, index_scales, block_table, n_entries)
@@ -149,4 +181,4 @@ def gather_index_keys_reference(
 ) -> torch.Tensor:
     entries = torch.arange(n_entries, device=block_table.device)
     pages, slots = locate(block_table, entries, index_data.shape[1])
-    return dequantize_index_key(read_index_records(index_data, index_scales, pages, slots))
+    return read_index(index_data, index_scales, pages, slots)

@@ -15,8 +15,7 @@ from __future__ import annotations
 import torch
 
 from kernels.dispatch import use_triton
-from kernels.kv_cache_ops import read_main_records
-from kernels.kv_formats import dequantize_main_kv
+from kernels.kv_cache_ops import is_raw_bf16, read_main
 
 # Rows per step of the reference: bounds its [rows, keys, 512] fp32 key tensor.
 _REFERENCE_ROWS = 32
@@ -42,7 +41,7 @@ def sparse_attention(
     topk_idx ``Long[T, K]`` (-1 padded, K may be 0); sink ``[H]``; logits are
     ``q.k * scale``.
     """
-    if use_triton(q, main_data):
+    if use_triton(q, main_data) and not is_raw_bf16(main_scales):
         from kernels.triton.sparse_attention import sparse_attention_triton
 
         return sparse_attention_triton(
@@ -97,7 +96,7 @@ def _attend_rows(
     j = topk_idx.clamp(min=0)
     pages = block_tables.gather(1, torch.div(j, entries_per_page, rounding_mode="floor"))
     slots = j % entries_per_page
-    glob = dequantize_main_kv(read_main_records(main_data, main_scales, pages, slots))
+    glob = read_main(main_data, main_scales, pages, slots)
     # fp32, or float64 for float64 queries (the engine's float64 test mode).
     dt = torch.promote_types(q.dtype, torch.float32)
     keys = torch.cat((swa_k.to(dt), glob.to(dt)), dim=1)  # [t, Wn + K, 512]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -82,3 +83,44 @@ def oracle(engine_model):
         return cache[key]
 
     return run
+
+
+@pytest.fixture(scope="session")
+def engine_model64(engine_model):
+    """``engine_model`` in float64, for the paged runner's comparisons (see
+    tests/engine/test_model_runner.py: in fp32, rounding noise can tip FP4
+    codes and top-k choices; in float64 it cannot)."""
+    return copy.deepcopy(engine_model).double().eval()
+
+
+@pytest.fixture(scope="session")
+def oracle64(engine_model64):
+    from engine.model.reference import reference_generate
+
+    cache: dict = {}
+
+    def run(tokens: list[int], n: int, **kw):
+        options = sorted((k, repr(v)) for k, v in kw.items() if k != "stored")
+        key = (tuple(tokens), n, tuple(options))
+        if key not in cache:
+            cache[key] = reference_generate(engine_model64, tokens, n, **kw)
+        return cache[key]
+
+    return run
+
+
+@dataclass(frozen=True)
+class Flavour:
+    """Which runner an engine test drives, with the model and oracle it is held to."""
+
+    runner: str
+    model: object
+    oracle: object
+
+
+@pytest.fixture(params=["reference", "paged"])
+def flavour(request, engine_model, oracle, engine_model64, oracle64) -> Flavour:
+    """The dense ReferenceRunner in fp32, and the production PagedModelRunner in float64."""
+    if request.param == "reference":
+        return Flavour("reference", engine_model, oracle)
+    return Flavour("paged", engine_model64, oracle64)

@@ -12,6 +12,7 @@ from engine.engine_config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model.config import ModelConfig
 from engine.model.reference import KVPrecision
+from engine.model_runner import PagedModelRunner
 from engine.reference_runner import ReferenceRunner
 from engine.runner import StepBatch
 from engine.sampling_params import SamplingParams
@@ -151,13 +152,18 @@ def fake_engine(
 
 
 def reference_engine(
-    model, num_pages: int = 64, kv_dir=None, **config
+    model, num_pages: int = 64, kv_dir=None, runner: str = "reference", **config
 ) -> tuple[LLMEngine, RecordingRunner]:
-    """An engine over the dense ReferenceRunner, recording logits and admissions."""
+    """An engine over the dense ReferenceRunner (or the paged runner), recording
+    logits and admissions."""
     config.setdefault("page_tokens", 8)
-    cfg = EngineConfig(runner="reference", **config)
+    cfg = EngineConfig(runner=runner, **config)
     kv = make_kv(num_pages, cfg.page_tokens, kv_dir, cfg.kv_dtype)
-    runner = RecordingRunner(ReferenceRunner(model, kv, KVPrecision(global_kv=cfg.kv_dtype)))
+    if runner == "reference":
+        inner = ReferenceRunner(model, kv, KVPrecision(global_kv=cfg.kv_dtype))
+    else:
+        inner = PagedModelRunner(model, kv, cfg.max_num_seqs)
+    runner = RecordingRunner(inner)
     engine = LLMEngine(
         cfg,
         runner,

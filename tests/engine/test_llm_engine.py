@@ -56,8 +56,9 @@ def assert_matches(runner, rid: str, outputs, expected: list[int], logits: list[
 # ----------------------------------------------------------------- vs reference
 
 
-def test_one_request_matches_reference(engine_model, oracle):
-    engine, runner = reference_engine(engine_model)
+def test_one_request_matches_reference(flavour):
+    engine_model, oracle = flavour.model, flavour.oracle
+    engine, runner = reference_engine(engine_model, runner=flavour.runner)
     tokens = prompt(37, 1)
     engine.add_request(Request("a", tokens, greedy(4)))
     outputs = run_to_completion(engine)
@@ -74,8 +75,9 @@ def test_one_request_matches_reference(engine_model, oracle):
 LENGTHS = [10, 17, 23, 31, 38, 45, 52, 60]
 
 
-def test_eight_requests_in_one_batch(engine_model, oracle):
-    engine, runner = reference_engine(engine_model)
+def test_eight_requests_in_one_batch(flavour):
+    engine_model, oracle = flavour.model, flavour.oracle
+    engine, runner = reference_engine(engine_model, runner=flavour.runner)
     prompts = {f"r{i}": prompt(n, 100 + i) for i, n in enumerate(LENGTHS)}
     for rid, tokens in prompts.items():
         engine.add_request(Request(rid, tokens, greedy(2)))
@@ -87,10 +89,13 @@ def test_eight_requests_in_one_batch(engine_model, oracle):
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 64])
-def test_chunked_prefill(engine_model, oracle, chunk):
+def test_chunked_prefill(flavour, chunk):
+    engine_model, oracle = flavour.model, flavour.oracle
     # Two of the eight prompts: the short one decodes while the long one is
     # still prefilling in chunks, so steps mix decodes and chunks.
-    engine, runner = reference_engine(engine_model, prefill_chunk_tokens=chunk)
+    engine, runner = reference_engine(
+        engine_model, runner=flavour.runner, prefill_chunk_tokens=chunk
+    )
     prompts = {"long": prompt(LENGTHS[5], 105), "short": prompt(LENGTHS[1], 101)}
     for rid, tokens in prompts.items():
         engine.add_request(Request(rid, tokens, greedy(2)))
@@ -139,12 +144,13 @@ def keep_first_writes(written: GlobalKV, new: GlobalKV) -> None:
             table[layer] = torch.cat([old, values[old.shape[0] :]])
 
 
-def test_preemption_and_resume(engine_model):
+def test_preemption_and_resume(flavour):
+    engine_model = flavour.model
     # 7 pages of 8: "a" (30 + 4 tokens) and "b" (20 + 5) fit at admission (4 + 3
     # pages); when "a" reaches 33 tokens it needs a fifth page and "b", the
     # newer, is preempted with 23 tokens, two full pages committed. It resumes
     # after "a" finishes, restoring 16 tokens from the device tier.
-    engine, runner = reference_engine(engine_model, num_pages=7)
+    engine, runner = reference_engine(engine_model, runner=flavour.runner, num_pages=7)
     prompts = {"a": prompt(30, 7), "b": prompt(20, 8)}
     engine.add_request(Request("a", prompts["a"], greedy(4)))
     engine.add_request(Request("b", prompts["b"], greedy(5)))
@@ -179,8 +185,9 @@ def restored_reference(oracle, model, tokens: list[int], n: int, hit: int):
     return oracle(tokens, n, stored_tokens=hit, stored=stored), oracle(tokens, n)
 
 
-def test_restore_from_the_device_tier(engine_model, oracle):
-    engine, runner = reference_engine(engine_model)
+def test_restore_from_the_device_tier(flavour):
+    engine_model, oracle = flavour.model, flavour.oracle
+    engine, runner = reference_engine(engine_model, runner=flavour.runner)
     tokens = prompt(45, 105)
     engine.add_request(Request("first", tokens, greedy(2)))
     run_to_completion(engine)
@@ -197,14 +204,17 @@ def test_restore_from_the_device_tier(engine_model, oracle):
     assert (admission.stored_tokens, admission.encoder_start) == (40, 40 - W)
 
 
-def test_restore_from_ssd_after_restart(engine_model, oracle, tmp_path):
+def test_restore_from_ssd_after_restart(flavour, tmp_path):
+    engine_model, oracle = flavour.model, flavour.oracle
     tokens = prompt(45, 105)
-    engine, _ = reference_engine(engine_model, kv_dir=tmp_path)
+    engine, _ = reference_engine(engine_model, runner=flavour.runner, kv_dir=tmp_path)
     engine.add_request(Request("first", tokens, greedy(2)))
     run_to_completion(engine)
     engine.close()  # flushes the write-behind queue
 
-    engine, runner = reference_engine(engine_model, kv_dir=tmp_path)  # a fresh device tier
+    engine, runner = reference_engine(
+        engine_model, runner=flavour.runner, kv_dir=tmp_path
+    )  # a fresh device tier
     engine.add_request(Request("second", tokens, greedy(2)))
     outputs = run_to_completion(engine)
     engine.close()
@@ -214,8 +224,9 @@ def test_restore_from_ssd_after_restart(engine_model, oracle, tmp_path):
     assert (usage.prompt_ssd_hit_tokens, usage.prompt_device_hit_tokens) == (40, 0)
 
 
-def test_full_depth_equals_the_exact_reference(engine_model, oracle):
-    engine, runner = reference_engine(engine_model, enable_ced=False)
+def test_full_depth_equals_the_exact_reference(flavour):
+    engine_model, oracle = flavour.model, flavour.oracle
+    engine, runner = reference_engine(engine_model, runner=flavour.runner, enable_ced=False)
     tokens = prompt(31, 3)
     engine.add_request(Request("a", tokens, greedy(2)))
     outputs = run_to_completion(engine)
@@ -224,8 +235,9 @@ def test_full_depth_equals_the_exact_reference(engine_model, oracle):
     assert_matches(runner, "a", outputs, ref.tokens, ref.logits)
 
 
-def test_bf16_global_kv_through_pages(engine_model, oracle):
-    engine, runner = reference_engine(engine_model, kv_dtype="bf16")
+def test_bf16_global_kv_through_pages(flavour):
+    engine_model, oracle = flavour.model, flavour.oracle
+    engine, runner = reference_engine(engine_model, runner=flavour.runner, kv_dtype="bf16")
     tokens = prompt(26, 4)
     bf16 = KVPrecision(global_kv="bf16")
     engine.add_request(Request("first", tokens, greedy(2)))

@@ -340,3 +340,38 @@ def test_public_ops_dispatch_to_triton(seed, monkeypatch):
     assert calls == ["store_kv_entries_triton", "gather_main_kv_triton", "gather_index_keys_triton"]
     assert torch.equal(main, gather_main_kv_reference(src.main_data, src.main_scales, bt, j))
     assert torch.equal(index, gather_index_keys_reference(src.index_data, src.index_scales, bt, n))
+
+
+def test_bf16_ablation_pages_hold_raw_bf16_values():
+    """Records without scale bytes (--kv-dtype bf16) store and read back bf16 values."""
+    from kernels.kv_cache_ops import gather_index_keys, gather_main_kv, store_kv_entries
+
+    g = torch.Generator().manual_seed(0)
+    pages, per_page = 3, 4
+    main = torch.zeros(pages, per_page * 1024, dtype=torch.uint8)
+    index = torch.zeros(pages, per_page * 256, dtype=torch.uint8)
+    main_data = main.unflatten(1, (per_page, 1024))
+    main_scales = main_data[..., :0]
+    index_data = index.unflatten(1, (per_page, 256))
+    index_scales = index_data[..., :0]
+    latents = torch.randn(6, 512, generator=g)
+    keys = torch.randn(6, 128, generator=g)
+    table = torch.tensor([2, 0])  # entries 0-3 on page 2, 4-5 on page 0
+    entries = torch.arange(6)
+    store_kv_entries(
+        main_data,
+        main_scales,
+        index_data,
+        index_scales,
+        table[entries // per_page],
+        entries % per_page,
+        latents,
+        keys,
+    )
+    got = gather_main_kv(main_data, main_scales, table, torch.tensor([5, -1, 0]))
+    assert torch.equal(got[0], latents[5].bfloat16().float())
+    assert torch.equal(got[1], torch.zeros(512))
+    assert torch.equal(got[2], latents[0].bfloat16().float())
+    got_keys = gather_index_keys(index_data, index_scales, table, 6)
+    assert torch.equal(got_keys, keys.bfloat16().float())
+    assert torch.equal(main[1], torch.zeros_like(main[1]))  # page 1 untouched
