@@ -143,8 +143,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         return _run(args)
-    except (RuntimeError, TimeoutError, httpx.HTTPError) as exc:
-        # A server that would not start or answer: one line, not a traceback.
+    except (ValueError, RuntimeError, TimeoutError, httpx.HTTPError) as exc:
+        # Bad sizes, or a server that would not start or answer: one line, no traceback.
         print(f"flashserve bench: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
 

@@ -129,6 +129,23 @@ async def run_session(
         progress.update(record)
 
 
+async def settled_metrics(
+    client: httpx.AsyncClient, base_url: str, pause_s: float = 0.2, tries: int = 10
+) -> str | None:
+    """A scrape taken once two in a row agree: the server's counters may come from a
+    snapshot taken just after the step that finished the last request."""
+    text = await scrape_metrics(client, base_url)
+    for _ in range(tries):
+        if text is None:
+            return None
+        await asyncio.sleep(pause_s)
+        again = await scrape_metrics(client, base_url)
+        if again is not None and server_counters(again) == server_counters(text):
+            return again
+        text = again
+    return text
+
+
 async def run_workload(
     workload: Workload,
     cfg: ClientConfig,
@@ -165,7 +182,7 @@ async def run_workload(
         )
         duration = time.perf_counter() - clock_zero
         progress.close()
-        after = await scrape_metrics(client, cfg.base_url)
+        after = await settled_metrics(client, cfg.base_url)
     records.sort(key=lambda r: (r.session_id, r.turn))
     return RunResult(
         model=cfg.model,

@@ -98,3 +98,6 @@ def test_bench_cli_failure_exit_code(tmp_path: Path, capsys: pytest.CaptureFixtu
     code = main(["bench", "--base-url", f"http://127.0.0.1:{free_port()}", "--quiet"])
     assert code == 1
     assert capsys.readouterr().err.startswith("flashserve bench: ConnectError")
+    # A system prompt shorter than the tool definitions is a clear error too.
+    assert main(["bench", "--system-len", "10", "--model", "m", "--quiet"]) == 1
+    assert "too short" in capsys.readouterr().err
