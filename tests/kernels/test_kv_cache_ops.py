@@ -375,3 +375,35 @@ def test_bf16_ablation_pages_hold_raw_bf16_values():
     got_keys = gather_index_keys(index_data, index_scales, table, 6)
     assert torch.equal(got_keys, keys.bfloat16().float())
     assert torch.equal(main[1], torch.zeros_like(main[1]))  # page 1 untouched
+
+
+# ----------------------------------------------------------------- bf16 ablation pages
+
+
+def test_bf16_ablation_pages_store_raw_values(seed, monkeypatch):
+    """``--kv-dtype bf16`` pages have no scale bytes: values are stored as raw bf16, and the
+    public ops use the references for them even when Triton is forced (it decodes FP4 only)."""
+    monkeypatch.setenv(dispatch.ENV_VAR, "triton")
+    g = torch.Generator().manual_seed(seed)
+    entries = 4
+    layout = kv_layout([0, SOURCE], [2, 1], page_tokens=entries, kv_dtype="bf16")
+    pool = DevicePool(layout, 3)
+    src = pool.source(SOURCE)
+    assert src.main_scales.shape[-1] == 0 and src.index_scales.shape[-1] == 0
+    n = 9
+    latents, keys = torch.randn(n, 512, generator=g), torch.randn(n, 128, generator=g)
+    block_table = torch.tensor([2, 0, 1])
+    j = torch.arange(n)
+    store_kv_entries(*views(src), block_table[j // entries], j % entries, latents, keys)
+    # The page bytes are the bf16 values themselves, at slot offsets computed by hand.
+    main_off = (entries // 2) * 1024 + (entries // 2) * 256  # source 0's two pages first
+    row, slot = int(block_table[1]), 1  # entry 5
+    raw = pool.pages[row, main_off + slot * 1024 : main_off + (slot + 1) * 1024]
+    assert torch.equal(raw.view(torch.bfloat16), latents[5].to(torch.bfloat16))
+    idx = torch.tensor([[3, -1, 8]])
+    got = gather_main_kv(src.main_data, src.main_scales, block_table, idx)
+    assert torch.equal(got[0, 0], latents[3].to(torch.bfloat16).float())
+    assert (got[0, 1] == 0).all()
+    assert torch.equal(got[0, 2], latents[8].to(torch.bfloat16).float())
+    back = gather_index_keys(src.index_data, src.index_scales, block_table, n)
+    assert torch.equal(back, keys.to(torch.bfloat16).float())
