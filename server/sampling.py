@@ -49,7 +49,8 @@ def sampling_params(
     return SamplingParams(
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=-1 if body.top_k is None else body.top_k,
+        # k at or past the vocabulary keeps every token: the same as off (and no overflow).
+        top_k=-1 if body.top_k is None or body.top_k >= vocab_size else body.top_k,
         min_p=0.0 if body.min_p is None else body.min_p,
         presence_penalty=body.presence_penalty or 0.0,
         frequency_penalty=body.frequency_penalty or 0.0,

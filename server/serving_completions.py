@@ -131,7 +131,7 @@ def _prompt(ctx: ServingContext, prompt: str | list[int], suffix: str | None, fi
     if isinstance(prompt, list):
         if suffix is not None or fim:
             raise invalid_request("fill-in-the-middle needs a text prompt", "prompt")
-        bad = [t for t in prompt if t >= ctx.engine.vocab_size]
+        bad = [t for t in prompt if not 0 <= t < ctx.engine.vocab_size]
         if bad:
             raise invalid_request(
                 f"prompt: token id {bad[0]} is outside the vocabulary "

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import openai
 import pytest
@@ -12,11 +13,17 @@ from tokenizers import Tokenizer
 
 
 @pytest.fixture(scope="session")
-def live_server(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[LiveServer]:
-    cache = checkpoint_cache(request.config.cache.mkdir("flashserve"))
-    server = start_server(cache, tmp_path_factory.mktemp("live-server"))
+def tiny_cache(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``FLASHSERVE_CACHE`` of the test server: pytest's cache (kept between runs), or a
+    temporary directory when the cache plugin is off."""
+    cache = getattr(request.config, "cache", None)
+    root = cache.mkdir("flashserve") if cache is not None else tmp_path_factory.mktemp("cache")
+    return checkpoint_cache(root)
+
+
+@pytest.fixture(scope="session")
+def live_server(tiny_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    server = start_server(tiny_cache, tmp_path_factory.mktemp("live-server"))
     try:
         yield server
     finally:
@@ -29,12 +36,11 @@ def client(live_server: LiveServer) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="session")
-def tokenizer(live_server: LiveServer, request: pytest.FixtureRequest) -> Tokenizer:
+def tokenizer(live_server: LiveServer, tiny_cache: Path) -> Tokenizer:
     """The served checkpoint's own tokenizer (the packaged one lacks ``<｜System｜>``)."""
     from engine.tokenizer import load_tokenizer
 
-    cache = checkpoint_cache(request.config.cache.mkdir("flashserve"))
-    return load_tokenizer(cache / "tiny-seed0")
+    return load_tokenizer(tiny_cache / "tiny-seed0")
 
 
 @pytest.fixture(scope="session")
