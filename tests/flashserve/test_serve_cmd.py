@@ -1,0 +1,106 @@
+"""``flashserve serve`` flags -> EngineConfig and ServerSettings; the tiny checkpoint cache.
+
+The live server itself is exercised by tests/server/test_api_*.py (it is started
+through this command).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from engine.engine_config import EngineConfig
+from flashserve import serve_cmd
+from flashserve.cli import build_parser, main
+
+
+def _args(*argv: str):
+    return build_parser().parse_args(["serve", *argv])
+
+
+def test_flag_defaults_are_the_engine_defaults() -> None:
+    assert serve_cmd.engine_config(_args()) == EngineConfig()
+
+
+def test_every_engine_config_field_has_a_flag() -> None:
+    args = _args(
+        *("--max-num-seqs", "3", "--max-num-batched-tokens", "100"),
+        *("--prefill-chunk-tokens", "32", "--page-tokens", "128"),
+        *("--kv-cache-bytes", "12345", "--kv-dir", "/tmp/kv", "--kv-dir-bytes", "999"),
+        *("--replay-tokens", "16", "--disable-ced", "--kv-dtype", "bf16"),
+        *("--device", "cuda", "--dtype", "bfloat16", "--max-model-len", "4096"),
+        *("--runner", "reference", "--seed", "7"),
+    )
+    config = serve_cmd.engine_config(args)
+    expected = {
+        "max_num_seqs": 3,
+        "max_num_batched_tokens": 100,
+        "prefill_chunk_tokens": 32,
+        "page_tokens": 128,
+        "kv_cache_bytes": 12345,
+        "kv_dir": "/tmp/kv",
+        "kv_dir_bytes": 999,
+        "replay_tokens": 16,
+        "enable_ced": False,
+        "kv_dtype": "bf16",
+        "device": "cuda",
+        "dtype": "bfloat16",
+        "max_model_len": 4096,
+        "runner": "reference",
+        "seed": 7,
+    }
+    # A new EngineConfig field without a flag fails here.
+    assert {f.name for f in dataclasses.fields(EngineConfig)} == set(expected)
+    assert dataclasses.asdict(config) == expected
+
+
+def test_server_settings_from_flags_and_environment() -> None:
+    args = _args(
+        *("--api-key", "k1", "--api-key", "k2", "--served-model-name", "flash"),
+        *("--max-body-bytes", "1000", "--keep-alive-seconds", "2.5"),
+        *("--max-concurrent-requests", "9", "--default-max-tokens", "64"),
+    )
+    settings = serve_cmd.server_settings(args, "fp_x", env={"FLASHSERVE_API_KEYS": "k3, k1,,"})
+    assert settings.api_keys == ("k1", "k2", "k3")
+    assert settings.served_model_name == "flash"
+    assert (settings.max_body_bytes, settings.keep_alive_s) == (1000, 2.5)
+    assert (settings.max_concurrent_requests, settings.default_max_tokens) == (9, 64)
+    assert settings.system_fingerprint == "fp_x"
+    assert serve_cmd.server_settings(_args(), "fp", env={}).api_keys == ()
+
+
+def test_cache_dir_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert serve_cmd.cache_dir({"FLASHSERVE_CACHE": "/a", "XDG_CACHE_HOME": "/b"}) == Path("/a")
+    assert serve_cmd.cache_dir({"XDG_CACHE_HOME": "/b"}) == Path("/b/flashserve")
+    monkeypatch.setenv("HOME", "/home/u")
+    assert serve_cmd.cache_dir({}) == Path("/home/u/.cache/flashserve")
+
+
+def test_tiny_checkpoint_is_written_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import engine.checkpoint_writer as writer
+
+    calls: list[tuple[Path, int]] = []
+
+    def fake_make_tiny(out: Path, seed: int = 0, **_: object) -> Path:
+        calls.append((Path(out), seed))
+        Path(out).mkdir(parents=True)
+        (Path(out) / "config.json").write_text("{}")
+        return Path(out)
+
+    monkeypatch.setattr(writer, "make_tiny", fake_make_tiny)
+    first = serve_cmd.tiny_checkpoint(3, tmp_path)
+    assert first == tmp_path / "tiny-seed3" and (first / "config.json").is_file()
+    # Written under a temporary name, then renamed into place.
+    assert len(calls) == 1 and calls[0][0] != first and calls[0][1] == 3
+    assert serve_cmd.tiny_checkpoint(3, tmp_path) == first
+    assert len(calls) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-seed3"]
+
+
+def test_serve_refuses_a_directory_without_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["serve", "--model", str(tmp_path)]) == 2
+    assert "no config.json" in capsys.readouterr().err
