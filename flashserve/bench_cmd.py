@@ -137,6 +137,22 @@ def _tokenizer(args: argparse.Namespace) -> Any:
     return load_tokenizer()
 
 
+def _command_line(args: argparse.Namespace) -> str:
+    """The command as typed when run from the shell, else rebuilt from the options;
+    an API key is never written down."""
+    if sys.argv[1:2] == [NAME]:
+        words = list(sys.argv[1:])
+        for i, word in enumerate(words):
+            if word.startswith("--api-key="):
+                words[i] = "--api-key=***"
+            elif word == "--api-key" and i + 1 < len(words):
+                words[i + 1] = "***"
+        return shlex.join(["flashserve", *words])
+    hidden = ("run", "command", "verbose", "api_key")
+    options = {k: v for k, v in vars(args).items() if k not in hidden}
+    return f"flashserve {NAME} " + " ".join(f"{k}={v}" for k, v in sorted(options.items()))
+
+
 def run(args: argparse.Namespace) -> int:
     _import_path()
     import httpx
@@ -167,7 +183,7 @@ def _run(args: argparse.Namespace) -> int:
     arrivals = Arrivals(args.request_rate, args.burstiness, args.max_concurrency, args.seed)
     context: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "command": shlex.join(["flashserve", *sys.argv[1:]]),
+        "command": _command_line(args),
         "endpoint": args.endpoint,
         "workload": {
             "name": workload.name,

@@ -101,3 +101,17 @@ def test_bench_cli_failure_exit_code(tmp_path: Path, capsys: pytest.CaptureFixtu
     # A system prompt shorter than the tool definitions is a clear error too.
     assert main(["bench", "--system-len", "10", "--model", "m", "--quiet"]) == 1
     assert "too short" in capsys.readouterr().err
+
+
+def test_command_line_never_records_the_api_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    from flashserve.bench_cmd import _command_line
+    from flashserve.cli import build_parser
+
+    argv = ["bench", "--api-key", "sk-secret", "--workload", "random", "--api-key=sk-2"]
+    args = build_parser().parse_args(argv)
+    monkeypatch.setattr("sys.argv", ["flashserve", *argv])
+    line = _command_line(args)
+    assert line == "flashserve bench --api-key '***' --workload random '--api-key=***'"
+    monkeypatch.setattr("sys.argv", ["pytest"])
+    line = _command_line(args)
+    assert "sk-" not in line and "workload=random" in line
