@@ -165,7 +165,8 @@ def tiny_checkpoint(seed: int, root: Path) -> Path:
     _say(f"writing the tiny checkpoint to {path} (first run)")
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".tiny-seed{seed}.{os.getpid()}.tmp"
-    make_tiny(tmp, seed)
+    with _Heartbeat("writing the tiny checkpoint", time.monotonic()):
+        make_tiny(tmp, seed)
     try:
         tmp.rename(path)
     except OSError:  # another process got there first
@@ -196,7 +197,8 @@ def run(args: argparse.Namespace) -> int:
     _say(
         f"loading checkpoint {path} ({weights / 2**20:.1f} MiB) on {config.device}, {config.dtype}"
     )
-    engine = AsyncEngine(config, path)
+    with _Heartbeat("loading the checkpoint", started):
+        engine = AsyncEngine(config, path)
     fingerprint = "fp_" + checkpoint_fingerprint(path)[:10]
     _say(f"engine ready in {time.monotonic() - started:.1f} s")
     # uvicorn stops gracefully on SIGINT/SIGTERM, then re-raises the signal. SIGTERM's
@@ -238,6 +240,30 @@ def _url(server: uvicorn.Server) -> str:
     host, port = server.servers[0].sockets[0].getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     return f"http://{shown}:{port}"
+
+
+class _Heartbeat:
+    """Says every ``every_s`` seconds that ``what`` is still going (a full checkpoint
+    takes minutes to load, and a silent console looks hung)."""
+
+    def __init__(self, what: str, started: float, every_s: float = 15.0) -> None:
+        import threading
+
+        self._what, self._started, self._every_s = what, started, every_s
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="serve-heartbeat", daemon=True)
+
+    def _run(self) -> None:
+        while not self._done.wait(self._every_s):
+            _say(f"{self._what}... {time.monotonic() - self._started:.0f} s")
+
+    def __enter__(self) -> _Heartbeat:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join()
 
 
 def _say(message: str) -> None:
