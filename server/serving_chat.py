@@ -8,6 +8,7 @@ path; DeepSeek documents it under ``/beta``.
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ from engine.request import Request
 from server.auth import tenant_salt
 from server.chat_encoding import ASSISTANT, encode_chat, ends_inside_reasoning
 from server.chat_output import ChatOutputParser
-from server.errors import APIError
+from server.errors import APIError, server_error
 from server.generation import ClientGone, EngineCall, Generation, ServingContext, run_to_end
 from server.model_names import resolve_model, thinking_enabled
 from server.protocol import (
@@ -36,6 +37,8 @@ from server.sampling import sampling_params
 from server.sse import DONE, KEEP_ALIVE, EventStreamResponse, event
 from server.structured_output import GrammarMaskProvider
 from server.tool_calls import DSML, THINK_END, THINK_START
+
+logger = logging.getLogger(__name__)
 
 # nginx's "client closed request": logged, never read.
 CLIENT_CLOSED = 499
@@ -237,6 +240,11 @@ async def _events(
                     )
     except APIError as exc:
         yield event(exc.body())
+        yield DONE
+        return
+    except Exception:  # a bug: the status line is sent, so end the stream with the error
+        logger.exception("stream %s failed", plan.id)
+        yield event(server_error().body())
         yield DONE
         return
     if include_usage:

@@ -10,6 +10,7 @@ the tokens it generates).
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from fastapi.responses import Response
 from engine.request import CompletionOutput, Request
 from server.auth import tenant_salt
 from server.chat_encoding import encode_completion, encode_fim
-from server.errors import APIError, invalid_request
+from server.errors import APIError, invalid_request, server_error
 from server.generation import (
     ChoiceUpdate,
     ClientGone,
@@ -43,6 +44,8 @@ from server.protocol import (
 from server.sampling import sampling_params
 from server.serving_chat import CLIENT_CLOSED
 from server.sse import DONE, KEEP_ALIVE, EventStreamResponse, event
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -220,6 +223,11 @@ async def _events(
                     yield chunk([done])
     except APIError as exc:
         yield event(exc.body())
+        yield DONE
+        return
+    except Exception:  # a bug: the status line is sent, so end the stream with the error
+        logger.exception("stream %s failed", request_id)
+        yield event(server_error().body())
         yield DONE
         return
     if body.include_usage:
