@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from fastapi import Request as HttpRequest
@@ -33,6 +34,7 @@ from server.protocol import (
     reasoning_budget,
     resolve_max_tokens,
 )
+from server.protocol import Usage as ApiUsage
 from server.sampling import sampling_params
 from server.sse import DONE, KEEP_ALIVE, EventStreamResponse, event
 from server.structured_output import GrammarMaskProvider
@@ -202,12 +204,12 @@ async def _events(
     gen: Generation,
     parsers: list[ChatOutputParser],
     include_usage: bool,
-):
+) -> AsyncIterator[bytes]:
     """The SSE body: a role chunk per choice, deltas, one finish chunk per choice,
     [usage chunk], ``[DONE]``; keep-alive comments while nothing comes."""
     exclude = None if include_usage else {"usage"}
 
-    def chunk(choices: list[ChunkChoice], usage=None) -> bytes:
+    def chunk(choices: list[ChunkChoice], usage: ApiUsage | None = None) -> bytes:
         payload = ChatCompletionChunk(
             id=plan.id,
             created=plan.created,

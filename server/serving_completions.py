@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from fastapi import Request as HttpRequest
@@ -41,6 +42,7 @@ from server.protocol import (
     FinishReason,
     resolve_max_tokens,
 )
+from server.protocol import Usage as ApiUsage
 from server.sampling import sampling_params
 from server.serving_chat import CLIENT_CLOSED
 from server.sse import DONE, KEEP_ALIVE, EventStreamResponse, event
@@ -186,10 +188,10 @@ async def _events(
     request_id: str,
     created: int,
     model: str,
-):
+) -> AsyncIterator[bytes]:
     exclude = None if body.include_usage else {"usage"}
 
-    def chunk(items: list[CompletionChoice], usage=None) -> bytes:
+    def chunk(items: list[CompletionChoice], usage: ApiUsage | None = None) -> bytes:
         payload = CompletionChunk(
             id=request_id,
             created=created,
