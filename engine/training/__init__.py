@@ -1,0 +1,1 @@
+"""Training the demo checkpoint: corpus, tokenizer, demo config, training loop."""

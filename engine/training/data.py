@@ -1,0 +1,83 @@
+"""Training sequences (play text and chat-format dialogue) and fixed held-out windows."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+from tokenizers import Tokenizer
+
+from engine.training.bpe import BOS_ID
+from engine.training.chat_data import render_conversation, speeches
+from engine.training.corpus import Play
+
+
+def encode_play(tokenizer: Tokenizer, play: Play) -> torch.Tensor:
+    """BOS then the play's text, as a completion request would send it."""
+    ids = tokenizer.encode(play.text, add_special_tokens=False).ids
+    return torch.tensor([BOS_ID, *ids], dtype=torch.long)
+
+
+class SequenceSampler:
+    """Random training sequences of ``seq_len + 1`` tokens (inputs and shifted targets).
+
+    With probability ``chat_fraction`` a sequence packs conversations of
+    consecutive speeches (1-3 exchanges; thinking on for half, the play's
+    title as system prompt for 30%, as a served chat request would render
+    them); otherwise it is a window of one play's text, plays weighted by
+    length. Deterministic for a seed.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        plays: list[Play],
+        seq_len: int,
+        chat_fraction: float,
+        seed: int,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.seq_len = seq_len
+        self.chat_fraction = chat_fraction
+        self.rng = random.Random(seed)
+        self.texts = [encode_play(tokenizer, p) for p in plays]
+        self.speeches = [speeches(p.text) for p in plays]
+        self.titles = [p.title for p in plays]
+        self.weights = [len(t) for t in self.texts]
+
+    def sample(self) -> torch.Tensor:
+        if self.rng.random() < self.chat_fraction:
+            return self._chat()
+        (ids,) = self.rng.choices(self.texts, weights=self.weights)
+        start = self.rng.randrange(len(ids) - self.seq_len)
+        return ids[start : start + self.seq_len + 1]
+
+    def _chat(self) -> torch.Tensor:
+        ids: list[int] = []
+        while len(ids) <= self.seq_len:
+            ids += self.tokenizer.encode(self.conversation(), add_special_tokens=False).ids
+        return torch.tensor(ids[: self.seq_len + 1], dtype=torch.long)
+
+    def conversation(self) -> str:
+        play = self.rng.randrange(len(self.speeches))
+        lines = self.speeches[play]
+        turns = 2 * self.rng.randint(1, 3)
+        start = self.rng.randrange(len(lines) - turns)
+        thinking = self.rng.random() < 0.5
+        system = self.titles[play] if self.rng.random() < 0.3 else None
+        effort = 75 if self.rng.random() < 0.7 else self.rng.randint(1, 100)
+        return render_conversation(
+            lines[start : start + turns], thinking=thinking, system=system, effort=effort
+        )
+
+
+def heldout_windows(
+    tokenizer: Tokenizer, plays: list[Play], length: int, count: int
+) -> list[torch.Tensor]:
+    """``count`` windows of ``length`` tokens, evenly spaced over the held-out plays."""
+    stream = torch.cat([encode_play(tokenizer, p) for p in plays])
+    last = len(stream) - length
+    if last < 0 or count < 1:
+        raise ValueError(f"{len(stream)} held-out tokens cannot give {count} x {length}")
+    starts = [round(i * last / max(1, count - 1)) for i in range(count)]
+    return [stream[s : s + length] for s in starts]

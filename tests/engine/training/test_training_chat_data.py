@@ -1,0 +1,69 @@
+"""Demo training dialogue: speeches parsed from the play format, conversations rendered
+exactly as the server encodes a chat request (server/chat_encoding.py is the oracle)."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.training.chat_data import render_conversation, speeches
+from server.chat_encoding import EOS, encode_chat
+from server.protocol import ChatCompletionRequest
+from server.tool_calls import THINK_END
+
+PLAY = """HAMLET, PRINCE OF DENMARK
+
+ACT I.
+
+Scene I. Elsinore. A platform before the Castle.
+
+[Francisco at his post. Enter to him Bernardo.]
+
+Ber.
+Who's there?
+
+Fran.
+Nay, answer me: stand, and unfold yourself.
+[Aside.]
+
+First Clown.
+Is she to be buried in Christian burial
+
+THESEUS
+        What say you, Hermia?
+Be advis'd, fair maid."""
+
+
+def test_speeches_drop_speakers_stage_directions_and_indentation() -> None:
+    assert speeches(PLAY) == [
+        "Who's there?",
+        "Nay, answer me: stand, and unfold yourself.",
+        "Is she to be buried in Christian burial",
+        "What say you, Hermia?\nBe advis'd, fair maid.",
+    ]
+
+
+def _prompt_and_reply(turns: list[str], thinking: bool, system: str | None, effort: int) -> str:
+    """The server's prompt for all but the last turn, then that turn as the model's output
+    (empty reasoning closed by ``</think>`` when thinking, the reply, EOS)."""
+    messages = [{"role": "system", "content": system}] if system is not None else []
+    for i, text in enumerate(turns[:-1]):
+        messages.append({"role": "user" if i % 2 == 0 else "assistant", "content": text})
+    request = ChatCompletionRequest.model_validate({"model": "m", "messages": messages})
+    prompt = encode_chat(request.messages, thinking=thinking, reasoning_effort=effort)
+    return prompt + (THINK_END if thinking else "") + turns[-1] + EOS
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+@pytest.mark.parametrize("system", [None, "The Tempest"])
+@pytest.mark.parametrize("exchanges", [1, 3])
+def test_conversation_is_the_server_encoding(
+    thinking: bool, system: str | None, exchanges: int
+) -> None:
+    turns = [f"line {i}\nof verse" for i in range(2 * exchanges)]
+    rendered = render_conversation(turns, thinking=thinking, system=system, effort=42)
+    assert rendered == _prompt_and_reply(turns, thinking, system, 42)
+
+
+def test_conversation_needs_a_final_reply() -> None:
+    with pytest.raises(ValueError, match="assistant"):
+        render_conversation(["a", "b", "c"], thinking=False)
