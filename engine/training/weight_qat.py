@@ -1,0 +1,53 @@
+"""Quantisation-aware training of the weights the checkpoint stores quantised.
+
+``save_checkpoint`` writes block FP8, MXFP4 experts, FP8 Engram rows and BF16;
+the served model is the dequantised result. Inside ``quantised_weights`` each
+such parameter holds exactly what the loader will give back (the writer's
+encoder, then the loader's decoder), so the forward and backward see the
+served weights; on exit the full-precision master weights return and the
+optimizer applies the gradients to them (a straight-through estimator).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from engine.checkpoint import WeightFormat, dequantize, scale_name, weight_format
+from engine.checkpoint_writer import encode_tensor
+
+
+def served_value(name: str, value: torch.Tensor) -> torch.Tensor:
+    """``value`` after a trip through the checkpoint: what ``load_checkpoint`` returns for it."""
+    fmt = weight_format(name)
+    stored = encode_tensor(name, value)
+    if fmt is None or not fmt.quantised:
+        return stored[name].to(value.dtype)
+    return dequantize(fmt, stored[name], stored[scale_name(name)], value.dtype)
+
+
+def lossy(name: str) -> bool:
+    """Parameters whose stored form is not their fp32 value."""
+    fmt = weight_format(name)
+    return fmt is not None and fmt is not WeightFormat.FP32
+
+
+@contextmanager
+def quantised_weights(model: nn.Module) -> Iterator[None]:
+    """Swap every lossy parameter for its served value; restore the masters on exit."""
+    masters: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if lossy(name):
+                masters[name] = p.detach().clone()
+                p.copy_(served_value(name, p))
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            params = dict(model.named_parameters())
+            for name, master in masters.items():
+                params[name].copy_(master)
