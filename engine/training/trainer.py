@@ -1,0 +1,152 @@
+"""The demo's training loop: exact forward (semantics 1), AdamW, cosine schedule.
+
+Per optimizer step, ``micro_batches`` sequences each run ``forward_train``
+with unquantised KV; the loss is next-token cross-entropy plus the indexer's
+KL (indexer_loss.py). Routers are balanced by their bias (router_balance.py).
+From ``qat_from`` of the way on, forward and backward see the weights as the
+checkpoint will store them (weight_qat.py), so the served model is the trained one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from engine.model.model import DeepseekV41
+from engine.model.reference import KVPrecision, forward, forward_train
+from engine.training.data import SequenceSampler
+from engine.training.indexer_loss import AttentionInputs, indexer_kl
+from engine.training.router_balance import RouterBalance
+from engine.training.weight_qat import quantised_weights
+
+EXACT_KV = KVPrecision(global_kv="exact", swa="exact")
+
+
+@dataclass(slots=True)
+class TrainConfig:
+    steps: int = 800
+    micro_batches: int = 2  # sequences per optimizer step
+    seq_len: int = 256
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 30
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    chat_fraction: float = 0.25
+    qat_from: float = 0.7  # fraction of the steps after which weights are fake-quantised
+    router_bias_rate: float = 5e-3
+    eval_every: int = 100
+    seed: int = 0
+
+
+@dataclass(slots=True)
+class StepLog:
+    step: int
+    loss: float
+    indexer_kl: float
+    lr: float
+    seconds: float
+    max_load: float
+    heldout_loss: float | None = None
+
+
+@dataclass(slots=True)
+class TrainResult:
+    config: TrainConfig
+    log: list[StepLog] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"config": asdict(self.config), "log": [asdict(s) for s in self.log]}
+
+
+def learning_rate(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up, then cosine decay to ``min_lr_ratio * lr`` at the last step."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - 1 - cfg.warmup_steps)
+    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine)
+
+
+def _optimizer(model: DeepseekV41, cfg: TrainConfig) -> torch.optim.AdamW:
+    """Weight decay on matrices only; the routers' biases are moved by RouterBalance."""
+    decay, plain = [], []
+    for name, p in model.named_parameters():
+        if name.endswith("gate.bias"):
+            p.requires_grad_(False)
+            continue
+        (decay if p.dim() >= 2 else plain).append(p)
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": plain, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+@torch.no_grad()
+def heldout_loss(model: DeepseekV41, windows: list[torch.Tensor]) -> float:
+    """Mean next-token cross-entropy (nats) of the exact forward over ``windows``."""
+    total, count = 0.0, 0
+    for ids in windows:
+        logits = forward(model, ids, precision=EXACT_KV).logits
+        total += float(F.cross_entropy(logits[:-1], ids[1:], reduction="sum"))
+        count += len(ids) - 1
+    return total / count
+
+
+def train(
+    model: DeepseekV41,
+    sampler: SequenceSampler,
+    heldout: list[torch.Tensor],
+    cfg: TrainConfig,
+    say: Callable[[str], None] = print,
+) -> TrainResult:
+    torch.manual_seed(cfg.seed)
+    model.train()
+    optimizer = _optimizer(model, cfg)
+    inputs = AttentionInputs(model)
+    balance = RouterBalance(model, cfg.router_bias_rate)
+    result = TrainResult(cfg)
+    qat_step = round(cfg.qat_from * cfg.steps)
+    try:
+        for step in range(cfg.steps):
+            started = time.monotonic()
+            lr = learning_rate(step, cfg)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            qat = quantised_weights(model) if step >= qat_step else contextlib.nullcontext()
+            with qat:
+                lm, kl = 0.0, 0.0
+                for _ in range(cfg.micro_batches):
+                    ids = sampler.sample()
+                    out = forward_train(model, ids[:-1], precision=EXACT_KV)
+                    ce = F.cross_entropy(out.logits, ids[1:])
+                    aux = indexer_kl(model, inputs.x, out.global_kv)
+                    ((ce + aux) / cfg.micro_batches).backward()
+                    lm += float(ce.detach()) / cfg.micro_batches
+                    kl += float(aux.detach()) / cfg.micro_batches
+                last = step == cfg.steps - 1
+                evaluate = (step + 1) % cfg.eval_every == 0 or last
+                held = heldout_loss(model, heldout) if evaluate else None
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            load = balance.update()
+            entry = StepLog(step, lm, kl, lr, time.monotonic() - started, load, held)
+            result.log.append(entry)
+            say(
+                f"step {step + 1}/{cfg.steps} loss {lm:.3f} indexer_kl {kl:.3f} lr {lr:.2e} "
+                f"max_load {load:.2f} {entry.seconds:.1f}s"
+                + (f" heldout {held:.3f} (ppl {math.exp(held):.1f})" if held is not None else "")
+            )
+    finally:
+        inputs.remove()
+        balance.remove()
+    model.eval()
+    return result
