@@ -169,9 +169,12 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     ap.add_argument("--out", type=Path, default=Path("bench/results/engine.json"))
     args = ap.parse_args()
     torch.set_grad_enabled(False)
+    # One thread by default: on a shared 2-core VM a second OpenMP worker mostly spins.
+    torch.set_num_threads(args.threads)
     model = tiny_model()
     results: dict[str, object] = {
         "date": date.today().isoformat(),
