@@ -36,7 +36,7 @@ def client(live_server: LiveServer) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="session")
-def tokenizer(live_server: LiveServer, tiny_cache: Path) -> Tokenizer:
+def served_tokenizer(live_server: LiveServer, tiny_cache: Path) -> Tokenizer:
     """The served checkpoint's own tokenizer (the packaged one lacks ``<｜System｜>``)."""
     from engine.tokenizer import load_tokenizer
 
@@ -44,7 +44,7 @@ def tokenizer(live_server: LiveServer, tiny_cache: Path) -> Tokenizer:
 
 
 @pytest.fixture(scope="session")
-def no_whitespace_bias(tokenizer: Tokenizer) -> dict[str, int]:
+def no_whitespace_bias(served_tokenizer: Tokenizer) -> dict[str, int]:
     """``logit_bias`` banning every all-whitespace token.
 
     Grammars allow whitespace between tags and values; a random model left
@@ -52,4 +52,6 @@ def no_whitespace_bias(tokenizer: Tokenizer) -> dict[str, int]:
     a few dozen tokens. (Byte-level BPE writes space, newline, tab and CR as
     these four characters.)
     """
-    return {str(i): -100 for t, i in tokenizer.get_vocab().items() if t and set(t) <= set("ĠĊĉč")}
+    return {
+        str(i): -100 for t, i in served_tokenizer.get_vocab().items() if t and set(t) <= set("ĠĊĉč")
+    }

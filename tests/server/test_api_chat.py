@@ -49,7 +49,9 @@ def _check_usage(usage, *, completion: int | None = None) -> None:
         assert usage.completion_tokens == completion
 
 
-def test_chat_completion_shape_and_hand_counted_prompt(client: openai.OpenAI, tokenizer) -> None:
+def test_chat_completion_shape_and_hand_counted_prompt(
+    client: openai.OpenAI, served_tokenizer
+) -> None:
     r = client.chat.completions.create(model="deepseek-chat", messages=HELLO, max_tokens=4)
     assert r.id.startswith("chatcmpl-") and r.object == "chat.completion"
     assert r.model == "deepseek-chat" and r.system_fingerprint.startswith("fp_")
@@ -60,7 +62,7 @@ def test_chat_completion_shape_and_hand_counted_prompt(client: openai.OpenAI, to
     assert choice.message.tool_calls is None
     assert "reasoning_content" not in choice.message.model_extra  # thinking off
     prompt = BOS + "<｜User｜>Hello!<｜Assistant｜></think>"
-    assert r.usage.prompt_tokens == _count(tokenizer, prompt)
+    assert r.usage.prompt_tokens == _count(served_tokenizer, prompt)
     _check_usage(r.usage)
     assert r.usage.completion_tokens_details.reasoning_tokens == 0
     if choice.finish_reason == "length":
@@ -69,7 +71,7 @@ def test_chat_completion_shape_and_hand_counted_prompt(client: openai.OpenAI, to
 
 @pytest.mark.parametrize("model", sorted(ALIASES_THINKING))
 def test_model_aliases_route_with_their_thinking_default(
-    client: openai.OpenAI, tokenizer, model: str
+    client: openai.OpenAI, served_tokenizer, model: str
 ) -> None:
     r = client.chat.completions.create(model=model, messages=HELLO, max_tokens=1)
     assert r.model == model
@@ -79,7 +81,7 @@ def test_model_aliases_route_with_their_thinking_default(
         prompt = BOS + "<｜System｜>" + EFFORT_75 + "<｜User｜>Hello!<｜Assistant｜><think>"
     else:
         prompt = BOS + "<｜User｜>Hello!<｜Assistant｜></think>"
-    assert r.usage.prompt_tokens == _count(tokenizer, prompt)
+    assert r.usage.prompt_tokens == _count(served_tokenizer, prompt)
 
 
 def test_alias_path_and_env_key(live_server: LiveServer) -> None:
@@ -248,7 +250,7 @@ def test_openai_client_stream(client: openai.OpenAI) -> None:
     assert [c.choices[0].finish_reason for c in chunks[:-1]].count("length") == 1
 
 
-def test_prefix_completion_at_beta(live_server: LiveServer, tokenizer) -> None:
+def test_prefix_completion_at_beta(live_server: LiveServer, served_tokenizer) -> None:
     client = live_server.beta_client()
     messages = [
         {"role": "user", "content": "Write a word."},
@@ -256,7 +258,7 @@ def test_prefix_completion_at_beta(live_server: LiveServer, tokenizer) -> None:
     ]
     r = client.chat.completions.create(model="deepseek-chat", messages=messages, max_tokens=3)
     prompt = BOS + "<｜User｜>Write a word.<｜Assistant｜></think>The word:"
-    assert r.usage.prompt_tokens == _count(tokenizer, prompt)
+    assert r.usage.prompt_tokens == _count(served_tokenizer, prompt)
     assert not r.choices[0].message.content.startswith("The word:")  # only the continuation
     assert r.usage.completion_tokens <= 3
 

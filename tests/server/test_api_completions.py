@@ -18,7 +18,7 @@ def _count(tokenizer, text: str) -> int:
     return len(tokenizer.encode(text, add_special_tokens=False).ids)
 
 
-def test_completion_shape_and_prompt_count(client: openai.OpenAI, tokenizer) -> None:
+def test_completion_shape_and_prompt_count(client: openai.OpenAI, served_tokenizer) -> None:
     r = client.completions.create(
         model="deepseek-flash", prompt="def add(a, b):", max_tokens=4, logit_bias=NO_EOS
     )
@@ -26,19 +26,19 @@ def test_completion_shape_and_prompt_count(client: openai.OpenAI, tokenizer) -> 
     assert r.model == "deepseek-flash" and r.system_fingerprint.startswith("fp_")
     (choice,) = r.choices
     assert choice.index == 0 and choice.finish_reason == "length"
-    assert r.usage.prompt_tokens == _count(tokenizer, BOS + "def add(a, b):")
+    assert r.usage.prompt_tokens == _count(served_tokenizer, BOS + "def add(a, b):")
     assert r.usage.completion_tokens == 4
     assert r.usage.total_tokens == r.usage.prompt_tokens + 4
 
 
-def test_echo_and_logprobs(client: openai.OpenAI, tokenizer) -> None:
+def test_echo_and_logprobs(client: openai.OpenAI, served_tokenizer) -> None:
     kwargs = {"model": "deepseek-chat", "prompt": "Hello there", "max_tokens": 3}
     kwargs |= {"temperature": 0, "logit_bias": NO_EOS, "logprobs": 2}
     plain = client.completions.create(**kwargs)
     echoed = client.completions.create(echo=True, **kwargs)
     assert echoed.choices[0].text == "Hello there" + plain.choices[0].text
     lp = echoed.choices[0].logprobs
-    prompt_ids = tokenizer.encode("Hello there", add_special_tokens=False).ids
+    prompt_ids = served_tokenizer.encode("Hello there", add_special_tokens=False).ids
     # Prompt tokens come first, without values; then one row per generated token.
     assert lp.token_logprobs[: len(prompt_ids)] == [None] * len(prompt_ids)
     assert lp.top_logprobs[: len(prompt_ids)] == [None] * len(prompt_ids)
@@ -59,18 +59,18 @@ def test_echo_and_logprobs(client: openai.OpenAI, tokenizer) -> None:
             assert text[offset : offset + len(token)] == token
 
 
-def test_several_prompts_and_n_order_choices(client: openai.OpenAI, tokenizer) -> None:
+def test_several_prompts_and_n_order_choices(client: openai.OpenAI, served_tokenizer) -> None:
     prompts = ["One", "Two two"]
     r = client.completions.create(
         model="deepseek-chat", prompt=prompts, n=2, max_tokens=2, logit_bias=NO_EOS
     )
     assert [c.index for c in r.choices] == [0, 1, 2, 3]
-    assert r.usage.prompt_tokens == sum(_count(tokenizer, BOS + p) for p in prompts)
+    assert r.usage.prompt_tokens == sum(_count(served_tokenizer, BOS + p) for p in prompts)
     assert r.usage.completion_tokens == 8
 
 
-def test_token_id_prompt_matches_text_prompt(client: openai.OpenAI, tokenizer) -> None:
-    ids = tokenizer.encode(BOS + "Same prompt", add_special_tokens=False).ids
+def test_token_id_prompt_matches_text_prompt(client: openai.OpenAI, served_tokenizer) -> None:
+    ids = served_tokenizer.encode(BOS + "Same prompt", add_special_tokens=False).ids
     kwargs = {"model": "deepseek-chat", "max_tokens": 3, "temperature": 0, "logit_bias": NO_EOS}
     by_text = client.completions.create(prompt="Same prompt", **kwargs)
     by_ids = client.completions.create(prompt=ids, **kwargs)
@@ -78,7 +78,7 @@ def test_token_id_prompt_matches_text_prompt(client: openai.OpenAI, tokenizer) -
     assert by_ids.usage.prompt_tokens == len(ids)
 
 
-def test_fim_at_beta_and_suffix_at_v1_agree(live_server: LiveServer, tokenizer) -> None:
+def test_fim_at_beta_and_suffix_at_v1_agree(live_server: LiveServer, served_tokenizer) -> None:
     body = {
         "model": "deepseek-chat",
         "prompt": "def f(x):\n    return ",
@@ -89,13 +89,13 @@ def test_fim_at_beta_and_suffix_at_v1_agree(live_server: LiveServer, tokenizer) 
     }
     beta = live_server.beta_client().completions.create(**body)
     fim = BOS + "<｜fim▁begin｜>def f(x):\n    return <｜fim▁hole｜>\n\nprint(f(2))<｜fim▁end｜>"
-    assert beta.usage.prompt_tokens == _count(tokenizer, fim)
+    assert beta.usage.prompt_tokens == _count(served_tokenizer, fim)
     v1 = live_server.client().completions.create(**body)
     assert v1.choices[0].text == beta.choices[0].text
     # /beta is always FIM, even without a suffix.
     no_suffix = live_server.post("/beta/completions", {**body, "suffix": None}).json()
     plain = BOS + "<｜fim▁begin｜>def f(x):\n    return <｜fim▁hole｜><｜fim▁end｜>"
-    assert no_suffix["usage"]["prompt_tokens"] == _count(tokenizer, plain)
+    assert no_suffix["usage"]["prompt_tokens"] == _count(served_tokenizer, plain)
 
 
 def test_completion_stream(live_server: LiveServer) -> None:
