@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,7 +19,11 @@ def tiny_cache(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     temporary directory when the cache plugin is off."""
     cache = getattr(request.config, "cache", None)
     root = cache.mkdir("flashserve") if cache is not None else tmp_path_factory.mktemp("cache")
-    return checkpoint_cache(root)
+    current = checkpoint_cache(root)
+    for stale in root.glob("flashserve-tiny-*"):  # checkpoints of older checkpoint code
+        if stale != current:
+            shutil.rmtree(stale, ignore_errors=True)
+    return current
 
 
 @pytest.fixture(scope="session")
