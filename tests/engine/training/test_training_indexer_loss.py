@@ -13,8 +13,6 @@ from engine.model.model import DeepseekV41
 from engine.model.reference import KVPrecision, forward_train
 from engine.training.indexer_loss import AttentionInputs, indexer_kl, readers
 
-pytestmark = pytest.mark.usefixtures("single_thread")
-
 CONFIG = ModelConfig.tiny().replace(vocab_size=512)
 EXACT = KVPrecision("exact", "exact")
 

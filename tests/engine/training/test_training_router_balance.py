@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from engine.model.config import ModelConfig
 from engine.model.model import DeepseekV41
 from engine.training.router_balance import RouterBalance
-
-pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def test_bias_moves_towards_balance() -> None:

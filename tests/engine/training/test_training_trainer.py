@@ -12,8 +12,6 @@ from engine.model.config import ModelConfig
 from engine.model.model import DeepseekV41
 from engine.training.trainer import TrainConfig, heldout_loss, learning_rate, train
 
-pytestmark = pytest.mark.usefixtures("single_thread")
-
 
 def test_learning_rate_schedule() -> None:
     cfg = TrainConfig(steps=21, warmup_steps=5, lr=1.0, min_lr_ratio=0.1)

@@ -15,8 +15,6 @@ from engine.model.config import ModelConfig
 from engine.model.model import DeepseekV41
 from engine.training.weight_qat import lossy, quantised_weights
 
-pytestmark = pytest.mark.usefixtures("single_thread")
-
 CONFIG = ModelConfig.tiny().replace(vocab_size=512)  # a small embedding: fast
 
 
