@@ -22,17 +22,22 @@ def visible_entries(positions: torch.Tensor, n_entries: int, ratio: int) -> torc
     return torch.arange(n_entries, device=positions.device)[None, :] < complete[:, None]
 
 
-def _rank_order(scores: torch.Tensor, eligible: torch.Tensor) -> torch.Tensor:
-    """Column order per row: eligible first, then score descending, then index ascending.
+def _top_mask(scores: torch.Tensor, eligible: torch.Tensor, k: int) -> torch.Tensor:
+    """BoolTensor [T, S]: each row's k best eligible columns (all of them if fewer).
 
-    Two stable sorts: the second (eligibility) keeps the first's score order,
-    which itself keeps index order among equal scores. Eligible columns whose
-    score is -inf still rank above every ineligible one.
+    Higher score first, equal scores to the lower index; an eligible column
+    scoring -inf still outranks every ineligible one. One ``topk`` for the k-th
+    value, then a linear pass: no full sort, so it stays cheap at 1M entries.
     """
-    by_score = torch.sort(scores, dim=-1, descending=True, stable=True).indices
-    eligible_sorted = torch.gather(eligible, -1, by_score)
-    by_eligible = torch.sort((~eligible_sorted).to(torch.uint8), dim=-1, stable=True).indices
-    return torch.gather(by_score, -1, by_eligible)
+    k = min(k, scores.shape[1])
+    if k == 0:
+        return torch.zeros_like(eligible)
+    masked = scores.masked_fill(~eligible, float("-inf"))
+    kth = torch.topk(masked, k, dim=-1).values[:, -1:]
+    above = (masked > kth) & eligible
+    tied = (masked == kth) & eligible
+    room = k - above.sum(dim=-1, keepdim=True)
+    return above | (tied & (tied.cumsum(dim=-1) <= room))
 
 
 def select_topk(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Tensor:
@@ -40,14 +45,12 @@ def select_topk(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Te
 
     With fewer than k visible entries every visible one is taken.
     """
-    t, s = scores.shape
-    order = _rank_order(upcast(scores), visible)[:, : min(k, s)]
-    chosen = torch.gather(visible, -1, order)
-    # Sort the picks by index; the -1 padding is pushed past every real index.
-    idx = torch.where(chosen, order, s).sort(dim=-1).values
-    idx = torch.where(idx == s, -1, idx)
-    if k > s:
-        idx = torch.cat((idx, idx.new_full((t, k - s), -1)), dim=-1)
+    t, _ = scores.shape
+    take = _top_mask(upcast(scores), visible, k)
+    rows, cols = take.nonzero(as_tuple=True)  # row-major: columns ascend within a row
+    rank = take.cumsum(dim=-1)[rows, cols] - 1
+    idx = torch.full((t, k), -1, dtype=torch.long, device=scores.device)
+    idx[rows, rank] = cols
     return idx
 
 
@@ -78,8 +81,6 @@ def candidate_block_mask(
     forced = torch.zeros_like(block_visible)
     forced[torch.arange(t), newest_block] = has_any
     block_score = block_score.masked_fill(forced, float("inf"))
-    order = _rank_order(block_score, block_visible)[:, : min(topk_blocks, n_blocks)]
-    keep_block = torch.zeros_like(block_visible)
-    keep_block.scatter_(1, order, torch.gather(block_visible, 1, order))
+    keep_block = _top_mask(block_score, block_visible, topk_blocks)
     keep = keep_block.repeat_interleave(block_size, dim=1)[:, :s]
     return keep & visible

@@ -105,3 +105,21 @@ def test_candidate_blocks_skip_blocks_without_visible_entries_and_ties():
     # A row with nothing visible keeps nothing.
     got = candidate_block_mask(torch.zeros(1, 4), _mask(["0000"]), block_size=2, topk_blocks=2)
     assert not got.any()
+
+
+def test_select_topk_equals_a_python_sort_oracle_with_many_ties():
+    """Random integer scores (many ties), random visibility: the tie and padding
+    rules against a plain Python sort on (eligible, score, -index)."""
+    g = torch.Generator().manual_seed(5)
+    for k in (1, 3, 8, 40):
+        scores = torch.randint(-3, 4, (20, 30), generator=g).float()
+        scores[0, :5] = float("-inf")  # eligible -inf still beats ineligible
+        visible = torch.rand(20, 30, generator=g) < 0.6
+        got = select_topk(scores, visible, k)
+        for t in range(20):
+            ranked = sorted(
+                range(30), key=lambda s: (not bool(visible[t, s]), -float(scores[t, s]), s)
+            )
+            picks = sorted(s for s in ranked[:k] if visible[t, s])
+            expected = picks + [-1] * (k - len(picks))
+            assert got[t].tolist() == expected
