@@ -200,15 +200,23 @@ def main() -> None:
     )
 
     long_n, short_n = args.long_context, args.short_context
-    dense_cfg = model.config.replace(index_topk=long_n, candidate_topk_blocks=long_n)
-    dense = DeepseekV41(dense_cfg)
-    dense.load_state_dict(model.state_dict())
-    dense.set_compressed_vocab(model.engram_vocab_map)
+
+    def dense_model(context: int) -> DeepseekV41:
+        """The same weights with top-k and candidate blocks covering every entry."""
+        cfg = model.config.replace(index_topk=context, candidate_topk_blocks=context)
+        dense = DeepseekV41(cfg)
+        dense.load_state_dict(model.state_dict())
+        dense.set_compressed_vocab(model.engram_vocab_map)
+        return dense.eval()
+
     p3 = {}
-    for name, m in (("sparse", model), ("dense", dense.eval())):
+    for name, short_m, long_m in (
+        ("sparse", model, model),
+        ("dense", dense_model(short_n), dense_model(long_n)),
+    ):
         lo, hi = _median_pair(
-            lambda m=m: decode_step_seconds(m, short_n, args.decode_steps),
-            lambda m=m: decode_step_seconds(m, long_n, args.decode_steps),
+            lambda m=short_m: decode_step_seconds(m, short_n, args.decode_steps),
+            lambda m=long_m: decode_step_seconds(m, long_n, args.decode_steps),
             max(1, args.repeats - 1),
         )
         p3[name] = {"short_s": lo, "long_s": hi, "ratio": hi / lo}

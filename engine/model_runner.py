@@ -171,7 +171,12 @@ class PagedModelRunner:
         stored = dequantize_swa(records).to(kv.dtype)
         keys = kv.new_zeros(kv.shape[0], W, kv.shape[1])
         valid = torch.zeros(kv.shape[0], W, dtype=torch.bool, device=kv.device)
+        singles = [s for s in segments if s.rows == 1]
+        if singles:
+            self._decode_windows(layer, singles, records, keys, valid)
         for seg in segments:
+            if seg.rows == 1:
+                continue
             ring = self.states.swa_window(layer, seg.seq.seq_id)
             start = self._swa_start(layer, seg.seq)
             first = max(start, seg.start - W + 1)
@@ -190,19 +195,53 @@ class PagedModelRunner:
             ]
         return keys, valid
 
+    def _decode_windows(
+        self,
+        layer: int,
+        singles: list[_Segment],
+        records: torch.Tensor,
+        keys: torch.Tensor,
+        valid: torch.Tensor,
+    ) -> None:
+        """``_swa_windows`` for one-row segments (decode), batched over sequences.
+
+        With one new row per sequence the ring can take it first and every window
+        is then read from the rings in one gather.
+        """
+        W = self.window
+        device = keys.device
+        rings = self.states.swa[layer]  # [slots, W, record bytes]
+        rows = torch.tensor([s.offset for s in singles], device=device)
+        slots = torch.tensor([self.states.slot(s.seq.seq_id) for s in singles], device=device)
+        pos = torch.tensor([s.start for s in singles], device=device)
+        start = torch.tensor([self._swa_start(layer, s.seq) for s in singles], device=device)
+        rings[slots, pos % W] = records[rows]
+        key_pos = pos[:, None] - W + 1 + torch.arange(W, device=device)[None, :]
+        window = rings[slots[:, None], key_pos % W]  # [n, W, record bytes]
+        keys[rows] = dequantize_swa(window).to(keys.dtype)
+        valid[rows] = key_pos >= start[:, None]
+
     def _write_global_kv(self, block, segments: list[_Segment], x: torch.Tensor) -> None:
-        """Compress, quantise and store this source's entries that start at >= H."""
+        """Compress, quantise and store this source's entries that start at >= H.
+
+        Every sequence's complete groups are gathered first, so the projections,
+        the norm, the index keys and the store run once per step, not per sequence.
+        """
         l = block.layer_id
         ratio = self.ratios[l]
         attn = block.attn
         pages = self.pages[l]
         per_page = pages.entries_per_page
+        raw_all = attn.compressor.project(x)  # fp32 [T, row width]
+        groups: list[torch.Tensor] = []  # complete-group rows, whole groups per sequence
+        entries: list[torch.Tensor] = []
+        page_ids: list[torch.Tensor] = []
         for seg in segments:
             seq = seg.seq
             lo = max(seg.start, seq.stored_tokens)
             if lo >= seg.end:
                 continue
-            raw = attn.compressor.project(x[seg.offset + lo - seg.start : seg.offset + seg.rows])
+            raw = raw_all[seg.offset + lo - seg.start : seg.offset + seg.rows]
             first = lo
             if ratio > 1:
                 state = self.states.compressor_state(self.pending_index[l], seq.seq_id)
@@ -215,20 +254,26 @@ class PagedModelRunner:
                     raw = raw[: raw.shape[0] - open_rows]
             if raw.shape[0] == 0:
                 continue
-            latent = attn.compressor.combine(raw).to(x.dtype)
-            entries = torch.arange(latent.shape[0], device=x.device) + first // ratio
-            entry_pos = entries * ratio
+            ids = torch.arange(raw.shape[0] // ratio, device=x.device) + first // ratio
             table = torch.tensor(seq.block_table, dtype=torch.long, device=x.device)
-            store_kv_entries(
-                pages.main_data,
-                pages.main_scales,
-                pages.index_data,
-                pages.index_scales,
-                table[entries // per_page],
-                entries % per_page,
-                rope_tail(latent, entry_pos, attn.inv_freq),
-                attn.indexer.keys(latent, entry_pos),
-            )
+            groups.append(raw)
+            entries.append(ids)
+            page_ids.append(table[ids // per_page])
+        if not groups:
+            return
+        latent = attn.compressor.combine(torch.cat(groups)).to(x.dtype)
+        entry_ids = torch.cat(entries)
+        entry_pos = entry_ids * ratio  # RoPE at each group's first position
+        store_kv_entries(
+            pages.main_data,
+            pages.main_scales,
+            pages.index_data,
+            pages.index_scales,
+            torch.cat(page_ids),
+            entry_ids % per_page,
+            rope_tail(latent, entry_pos, attn.inv_freq),
+            attn.indexer.keys(latent, entry_pos),
+        )
 
     def _decoder_rows(self, segments: list[_Segment]) -> torch.Tensor | None:
         """Drop rows below each sequence's decoder start; None when every row stays."""

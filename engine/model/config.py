@@ -8,6 +8,7 @@ Derived quantities (layer roles, the CED boundary) are methods, never stored.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -47,8 +48,15 @@ def engram_table_primes(
     and layers. A layer's table has ``sum(primes)`` rows; the official config's
     ``engram_num_embeddings`` [384006168, 384016682] follow from this rule.
     """
+    return [list(p) for p in _engram_table_primes(vocab_size, n_layers, tuple(orders), n_heads)]
+
+
+@functools.lru_cache(maxsize=16)  # every Engram hash asks for them; the walk costs ~1 ms
+def _engram_table_primes(
+    vocab_size: int, n_layers: int, orders: tuple[int, ...], n_heads: int
+) -> tuple[tuple[int, ...], ...]:
     used: set[int] = set()
-    per_layer: list[list[int]] = []
+    per_layer: list[tuple[int, ...]] = []
     for _ in range(n_layers):
         primes: list[int] = []
         for _order in orders:
@@ -58,8 +66,8 @@ def engram_table_primes(
                     candidate += 1
                 used.add(candidate)
                 primes.append(candidate)
-        per_layer.append(primes)
-    return per_layer
+        per_layer.append(tuple(primes))
+    return tuple(per_layer)
 
 
 class LayerRole(StrEnum):
