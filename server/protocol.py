@@ -86,7 +86,7 @@ class ContentPart(_Request):
             raise PydanticCustomError("not_served", "image input is not served yet")
         if self.type != "text":
             raise _format_error(
-                "unsupported content part type {t!r}; only 'text' is served", t=self.type
+                "unsupported content part type '{t}'; only 'text' is served", t=self.type
             )
         if self.text is None:
             raise _format_error("a 'text' part needs a string 'text'")
@@ -245,7 +245,7 @@ class _SamplingRequest(_Request):
     def _logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         for key, bias in (value or {}).items():
             if not (key.isascii() and key.isdigit()):
-                raise _parameter_error("keys are token ids; got {k!r}", k=key)
+                raise _parameter_error("keys are token ids; got '{k}'", k=key)
             if not (math.isfinite(bias) and -100 <= bias <= 100):
                 raise _parameter_error("biases lie in [-100, 100]; got {b}", b=bias)
         return value
@@ -304,7 +304,10 @@ class ChatCompletionRequest(_SamplingRequest):
     @classmethod
     def _effort(cls, value: Any) -> Any:
         # Checked by hand: pydantic's lax int would accept True and "7".
-        if value is None or value == "none" or value in REASONING_EFFORT_ALIASES:
+        # isinstance first: a list or dict is not hashable (a 500 from the `in` test).
+        if value is None or (
+            isinstance(value, str) and (value == "none" or value in REASONING_EFFORT_ALIASES)
+        ):
             return value
         if type(value) is int and 1 <= value <= 100:
             return value
@@ -326,7 +329,7 @@ class ChatCompletionRequest(_SamplingRequest):
         if value not in (None, "none", "auto") and not names:
             raise _parameter_error("needs tools (without tools only 'none' or 'auto' is allowed)")
         if isinstance(value, NamedToolChoice) and value.function.name not in names:
-            raise _parameter_error("names an unknown function {n!r}", n=value.function.name)
+            raise _parameter_error("names an unknown function '{n}'", n=value.function.name)
         return value
 
     @field_validator("top_logprobs")
