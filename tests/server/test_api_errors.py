@@ -7,6 +7,8 @@ reference; then authentication, size, path and method errors.
 
 from __future__ import annotations
 
+import re
+
 import httpx
 import openai
 import pytest
@@ -156,6 +158,14 @@ BAD_BODIES = [
     ("thinking-type", CHAT, _body(CHAT_OK, thinking={"type": "maybe"}), 400, "thinking.type"),
     ("effort-unknown", CHAT, _body(CHAT_OK, reasoning_effort="ultra"), 422, "reasoning_effort"),
     ("effort-range", CHAT, _body(CHAT_OK, reasoning_effort=101), 422, "reasoning_effort"),
+    ("effort-list", CHAT, _body(CHAT_OK, reasoning_effort=[]), 422, "reasoning_effort"),
+    (
+        "content-part-type",
+        CHAT,
+        _body(CHAT_OK, messages=[{"role": "user", "content": [{"type": "audio"}]}]),
+        400,
+        "messages[0].content[0]",
+    ),
     ("stream-string", CHAT, _body(CHAT_OK, stream="maybe"), 400, "stream"),
     ("text-no-prompt", TEXT, _body(TEXT_OK, prompt=DROP), 400, "prompt"),
     ("text-empty-list", TEXT, _body(TEXT_OK, prompt=[]), 400, "prompt"),
@@ -179,6 +189,7 @@ def _check_error(response: httpx.Response, status: int, param: str | None) -> di
     assert set(error) == {"message", "type", "param", "code"}
     assert error["param"] == param, error
     assert isinstance(error["message"], str) and error["message"]
+    assert re.search(r"\{\w+(![rsa])?\}", error["message"]) is None  # a template left unfilled
     expected_type = {401: "authentication_error", 429: "rate_limit_error"}.get(
         status, "invalid_request_error"
     )
