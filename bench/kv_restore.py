@@ -211,6 +211,8 @@ def main() -> None:
     ap.add_argument("--kv-dir", type=Path, default=None, help="a directory on the SSD to test")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "kv_restore.json")
     args = ap.parse_args()
+    # One intra-op thread: on a shared 2-core VM a second OpenMP worker mostly spins.
+    torch.set_num_threads(1)
 
     load_before = os.getloadavg()
     base = args.kv_dir or REPO / "bench" / "results"
