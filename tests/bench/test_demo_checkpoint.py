@@ -1,0 +1,121 @@
+"""The committed demo checkpoint (models/demo): loads, round-trips through the writer,
+matches the code's demo config and tokenizer, and keeps its greedy output.
+
+The pinned continuations are the trained model's greedy output under the
+production semantics (CED prefill with replay W = window, FP4 global KV, FP8
+SWA). The dense reference and the engine's paged runner must both produce
+them: a change to the model code, the loader or the checkpoint shows up here.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.checkpoint import load_checkpoint
+from engine.checkpoint_writer import save_checkpoint
+from engine.engine_config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.model.config import ModelConfig
+from engine.model.engram import build_compressed_vocab
+from engine.model.reference import reference_generate
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import load_tokenizer
+from engine.training.bpe import SPECIAL_TOKENS
+from engine.training.demo_config import demo_checkpoint_dir, demo_config
+from server.chat_encoding import encode_chat
+from server.protocol import ChatCompletionRequest
+
+DEMO = demo_checkpoint_dir()
+MAX_BYTES = 25 << 20
+NEW_TOKENS = 8
+
+COMPLETION = "<｜begin▁of▁sentence｜>To be, or not to be"
+PINNED_COMPLETION = [270, 452, 23, 210, 350, 304, 371, 316]
+PINNED_COMPLETION_TEXT = " a man,\nAnd I have be"
+
+CHAT = [{"role": "user", "content": "Who's there?"}]
+PINNED_CHAT = [52, 481, 316, 334, 23, 302, 304, 481]
+PINNED_CHAT_TEXT = "I'll be not, and I'll"
+
+pytestmark = pytest.mark.skipif(
+    not (DEMO / "config.json").is_file(), reason="models/demo is not in this checkout"
+)
+
+
+@pytest.fixture(scope="module")
+def demo():
+    config, model = load_checkpoint(DEMO)
+    return config, model.eval(), load_tokenizer(DEMO)
+
+
+def _chat_prompt() -> str:
+    request = ChatCompletionRequest.model_validate({"model": "deepseek-chat", "messages": CHAT})
+    return encode_chat(request.messages, thinking=False, reasoning_effort=75)
+
+
+def _english_words(text: str) -> list[str]:
+    """The text's words, asserting it is plain ASCII prose (letters, punctuation, spaces)."""
+    assert re.fullmatch(r"[A-Za-z\s,.;:!?'\-]*", text), repr(text)
+    words = re.findall(r"[A-Za-z']+", text)
+    assert sum(len(w) >= 2 for w in words) >= 2, repr(text)
+    return words
+
+
+def test_checkpoint_is_small_and_matches_the_demo_config(demo) -> None:
+    config, _, tokenizer = demo
+    size = sum(f.stat().st_size for f in DEMO.iterdir() if f.is_file())
+    assert size <= MAX_BYTES
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {
+        f.name for f in DEMO.iterdir()
+    }
+    _, classes = build_compressed_vocab(tokenizer)
+    assert config.replace(extra={}) == demo_config(tokenizer.get_vocab_size(), classes, 2)
+    assert [tokenizer.token_to_id(t) for t, _ in SPECIAL_TOKENS] == list(range(len(SPECIAL_TOKENS)))
+    # The official topology's roles, on the tiny preset's layer plan.
+    tiny = ModelConfig.tiny()
+    assert [config.role(l) for l in range(8)] == [tiny.role(l) for l in range(8)]
+
+
+def test_save_and_reload_keeps_every_value(demo, tmp_path: Path) -> None:
+    config, model, _ = demo
+    save_checkpoint(model, config, tmp_path)
+    (tmp_path / "tokenizer.json").write_bytes((DEMO / "tokenizer.json").read_bytes())
+    config2, model2 = load_checkpoint(tmp_path)
+    assert config2 == config
+    loaded = dict(model2.state_dict())
+    for name, value in model.state_dict().items():
+        assert torch.equal(loaded[name], value), name
+
+
+@pytest.mark.parametrize(
+    ("prompt", "pinned", "text"),
+    [
+        (COMPLETION, PINNED_COMPLETION, PINNED_COMPLETION_TEXT),
+        (None, PINNED_CHAT, PINNED_CHAT_TEXT),
+    ],
+    ids=["completion", "chat"],
+)
+def test_greedy_output_is_pinned(demo, prompt: str | None, pinned: list[int], text: str) -> None:
+    _, model, tokenizer = demo
+    ids = tokenizer.encode(prompt or _chat_prompt(), add_special_tokens=False).ids
+    reference = reference_generate(model, ids, NEW_TOKENS).tokens
+    assert reference == pinned
+    assert tokenizer.decode(reference) == text
+    _english_words(text)
+
+    engine = LLMEngine.build(
+        EngineConfig(kv_cache_bytes=8 << 20, max_num_seqs=1), model, tokenizer=tokenizer
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    engine.add_request(Request("r", ids, params))
+    streamed: list[int] = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            streamed += [t for c in out.outputs for t in c.token_ids]
+    engine.close()
+    assert streamed == pinned
