@@ -113,6 +113,8 @@ class Generation:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """Validate every call, then take a place in the admission count (or raise)."""
+        if not ctx.engine.is_running:  # a 503 now, rather than a stream that fails at once
+            raise unavailable("The engine is not running")
         for call in calls:
             try:
                 ctx.engine.validate(call.request)

@@ -32,6 +32,7 @@ class FakeEngine:
         self.abandoned: list[str] = []
         self.finished: list[str] = []
         self.hold = asyncio.Event()  # set to let streams past their first output
+        self.is_running = True
 
     def validate(self, request: Request) -> None:
         if not request.prompt_token_ids:
@@ -151,6 +152,18 @@ def test_client_gone_is_noticed_while_outputs_keep_coming() -> None:
             await run_to_end(gen, lambda u: None, gone, 0.01)
         await gen.close()
         assert checks == 1 and engine.abandoned == ["a"]
+
+    asyncio.run(main())
+
+
+def test_a_stopped_engine_is_a_503_before_anything_starts() -> None:
+    async def main() -> None:
+        engine = FakeEngine()
+        engine.is_running = False
+        ctx = _ctx(engine)
+        with pytest.raises(APIError) as err:
+            Generation(ctx, [_call("a", 0, 0)])
+        assert err.value.status == 503 and ctx.admission.active == 0
 
     asyncio.run(main())
 
