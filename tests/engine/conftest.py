@@ -11,17 +11,6 @@ import torch
 from engine.model.config import ModelConfig
 
 
-@pytest.fixture(scope="module")
-def single_thread():
-    """One intra-op thread for the module: the tiny model's ops are too small to
-    gain from two, and on a busy 2-core machine OpenMP's spinning threads
-    slow them down twenty-fold."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 @pytest.fixture(scope="session")
 def tiny_config() -> ModelConfig:
     return ModelConfig.tiny()
@@ -66,9 +55,8 @@ def engine_model(tiny_model):
     return model.eval()
 
 
-@pytest.fixture(scope="session")
-def oracle(engine_model):
-    """``reference_generate`` on ``engine_model``, cached: many tests share prompts."""
+def _cached_oracle(model):
+    """``reference_generate`` on ``model``, cached: many tests share prompts."""
     from engine.model.reference import reference_generate
 
     cache: dict = {}
@@ -79,10 +67,15 @@ def oracle(engine_model):
         options = sorted((k, repr(v)) for k, v in kw.items() if k != "stored")
         key = (tuple(tokens), n, tuple(options))
         if key not in cache:
-            cache[key] = reference_generate(engine_model, tokens, n, **kw)
+            cache[key] = reference_generate(model, tokens, n, **kw)
         return cache[key]
 
     return run
+
+
+@pytest.fixture(scope="session")
+def oracle(engine_model):
+    return _cached_oracle(engine_model)
 
 
 @pytest.fixture(scope="session")
@@ -95,18 +88,7 @@ def engine_model64(engine_model):
 
 @pytest.fixture(scope="session")
 def oracle64(engine_model64):
-    from engine.model.reference import reference_generate
-
-    cache: dict = {}
-
-    def run(tokens: list[int], n: int, **kw):
-        options = sorted((k, repr(v)) for k, v in kw.items() if k != "stored")
-        key = (tuple(tokens), n, tuple(options))
-        if key not in cache:
-            cache[key] = reference_generate(engine_model64, tokens, n, **kw)
-        return cache[key]
-
-    return run
+    return _cached_oracle(engine_model64)
 
 
 @dataclass(frozen=True)

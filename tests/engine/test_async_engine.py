@@ -12,8 +12,6 @@ from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.engine_config import EngineConfig
 from engine.request import Request
 
-pytestmark = pytest.mark.usefixtures("single_thread")
-
 
 @pytest.fixture
 def async_engine(engine_model):

@@ -33,8 +33,6 @@ from engine.sampling_params import SamplingParams
 from engine.tokenizer import load_tokenizer
 from kernels.kv_formats import dequantize_main_kv, fake_quant_main_kv, quantize_main_kv
 
-pytestmark = pytest.mark.usefixtures("single_thread")
-
 W = 16  # the tiny model's sliding window = default replay window
 PT = 8  # page tokens in these tests
 ATOL = 1e-4
