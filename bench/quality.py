@@ -145,10 +145,12 @@ def run_window(
     # (b) CED prefill with decoder replay vs full depth.
     b = tallies["b"]
     b["full depth (= exact)"].add(ref_cont, ref_cont, t_cont)
+    short = window // 4  # below the window: not a sensible setting, shows the bench can see drift
     for name, W, precision in (
         (f"CED, replay W={window}", window, EXACT),
         (f"CED, replay W={2 * window}", 2 * window, EXACT),
         (f"CED, replay W={window}, stored formats", window, STORED),
+        (f"CED, replay W={short} (< window: sensitivity check)", short, EXACT),
     ):
         plan = ReplayPlan.prefill(prompt, W)
         b[name].add(rows_of(run(precision, plan), plan), ref_cont, t_cont)
@@ -164,6 +166,12 @@ def run_window(
         (f"restore H={stored_tokens}, W={2 * window}", 2 * window, stored_tokens, EXACT),
         (f"recompute (CED prefill), W={2 * window}", 2 * window, 0, EXACT),
         (f"restore H={stored_tokens}, W={window}, stored formats", window, stored_tokens, STORED),
+        (
+            f"restore H={stored_tokens}, W={short} (< window: sensitivity check)",
+            short,
+            stored_tokens,
+            EXACT,
+        ),
     ):
         plan = ReplayPlan.prefill(prompt, W, stored_tokens=H)
         kv: GlobalKV | None = held[precision] if H else None
@@ -199,8 +207,8 @@ def markdown(tallies: dict[str, dict[str, Tally]]) -> str:
         lines.append("|---|---:|---:|---:|")
         for name, tally in rows.items():
             rel, err = ppl_ratio(tally, rows[base_name])
-            rel_text = f"{100 * rel:+.2f}% ± {100 * err:.2f}%"
-            lines.append(f"| {name} | {tally.ppl:.2f} | {rel_text} | {tally.mean_kl:.5f} |")
+            rel_text = f"{100 * rel:+.3f}% ± {100 * err:.3f}%"
+            lines.append(f"| {name} | {tally.ppl:.2f} | {rel_text} | {tally.mean_kl:.1e} |")
         lines.append("")
     return "\n".join(lines)
 
