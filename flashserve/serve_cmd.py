@@ -31,7 +31,10 @@ CACHE_ENV = "FLASHSERVE_CACHE"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--model", default="tiny", help="'tiny' (built-in random checkpoint) or a checkpoint dir"
+        "--model",
+        default="tiny",
+        help="'tiny' (built-in random checkpoint), 'demo' (the trained models/demo) or a "
+        "checkpoint dir",
     )
     http = parser.add_argument_group("HTTP")
     http.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
@@ -176,6 +179,17 @@ def tiny_checkpoint(seed: int, root: Path) -> Path:
     return path
 
 
+def model_path(model: str, seed: int) -> Path:
+    """The checkpoint directory ``--model`` names: ``tiny``, ``demo`` or a path."""
+    if model == "tiny":
+        return tiny_checkpoint(seed, cache_dir())
+    if model == "demo":
+        from engine.training.demo_config import demo_checkpoint_dir
+
+        return demo_checkpoint_dir()
+    return Path(model)
+
+
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
@@ -186,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
 
     started = time.monotonic()
     config = engine_config(args)
-    path = tiny_checkpoint(args.seed, cache_dir()) if args.model == "tiny" else Path(args.model)
+    path = model_path(args.model, args.seed)
     if not (path / "config.json").is_file():
         print(
             f"flashserve serve: {path} is not a checkpoint directory (no config.json)",

@@ -119,3 +119,10 @@ def test_greedy_output_is_pinned(demo, prompt: str | None, pinned: list[int], te
             streamed += [t for c in out.outputs for t in c.token_ids]
     engine.close()
     assert streamed == pinned
+
+
+def test_serve_resolves_demo_to_the_committed_checkpoint() -> None:
+    from flashserve.serve_cmd import model_path
+
+    assert model_path("demo", 0) == DEMO
+    assert model_path("some/dir", 0) == Path("some/dir")
