@@ -42,10 +42,6 @@ CHAT = [{"role": "user", "content": "Who's there?"}]
 PINNED_CHAT = [52, 481, 316, 334, 23, 302, 304, 481]
 PINNED_CHAT_TEXT = "I'll be not, and I'll"
 
-pytestmark = pytest.mark.skipif(
-    not (DEMO / "config.json").is_file(), reason="models/demo is not in this checkout"
-)
-
 
 @pytest.fixture(scope="module")
 def demo():
