@@ -5,15 +5,13 @@ each run and printed (``FLASHSERVE_TEST_SEED`` replays one).
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 import secrets
-import subprocess
-import sys
 
 import pytest
 import torch
+from interpreter import INTERPRETED, interpreted, run_triton_tests_in_child
 
 from engine.model.indexer import indexer_scores as dense_indexer_scores
 from kernels import dispatch
@@ -26,9 +24,6 @@ from kernels.indexer_ops import (
 )
 from kernels.kv_cache_ops import gather_index_keys_reference, store_kv_entries_reference
 from kernels.kv_formats import dequantize_index_key
-
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child")
 
 
 @pytest.fixture
@@ -191,17 +186,8 @@ def test_block_max_reference_matches_loops(seed, cols, block_size):
 
 @pytest.mark.skipif(INTERPRETED, reason="this process is the interpreter child")
 def test_triton_kernels_interpreted():
-    """Run this file's Triton tests in a child with TRITON_INTERPRET=1 set before Triton loads."""
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed")
-    env = {k: v for k, v in os.environ.items() if k != dispatch.ENV_VAR}
-    env["TRITON_INTERPRET"] = "1"
-    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"]
-    cmd += ["-k", "triton and not kernels_interpreted"]
-    child = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    print(child.stdout[-20000:], child.stderr[-5000:])
-    assert child.returncode == 0, "interpreted Triton tests failed (output above)"
-    assert " passed" in child.stdout and "skipped" not in child.stdout
+    """This file's Triton tests, run in a TRITON_INTERPRET=1 child (triton is a dependency)."""
+    run_triton_tests_in_child(__file__)
 
 
 @interpreted

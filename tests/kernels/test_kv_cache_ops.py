@@ -7,14 +7,12 @@ run and printed; set ``FLASHSERVE_TEST_SEED`` to replay one.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import secrets
-import subprocess
-import sys
 
 import pytest
 import torch
+from interpreter import INTERPRETED, interpreted, run_triton_tests_in_child
 
 from kernels import dispatch
 from kernels.kv_cache_ops import (
@@ -51,31 +49,11 @@ def seed() -> int:
 # Triton must be imported with TRITON_INTERPRET=1 already set, so the Triton tests run
 # in a child pytest of this file that has it; in the parent they are skipped, and the
 # driver below fails if the child does.
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child")
 
 
 @pytest.mark.skipif(INTERPRETED, reason="this process is the interpreter child")
 def test_triton_kernels_interpreted():
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed")
-    env = {k: v for k, v in os.environ.items() if k != dispatch.ENV_VAR}
-    env["TRITON_INTERPRET"] = "1"
-    cmd = [
-        sys.executable,
-        "-m",
-        "pytest",
-        __file__,
-        "-q",
-        "-k",
-        "triton and not kernels_interpreted",
-        "-p",
-        "no:cacheprovider",
-    ]
-    child = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    print(child.stdout[-20000:], child.stderr[-5000:])
-    assert child.returncode == 0, "interpreted Triton tests failed (output above)"
-    assert " passed" in child.stdout and "skipped" not in child.stdout
+    run_triton_tests_in_child(__file__)
 
 
 def make_pool(num_pages: int, entries: int, poison: int) -> tuple[DevicePool, object]:

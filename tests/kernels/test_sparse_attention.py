@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from interpreter import INTERPRETED, interpreted, run_triton_tests_in_child
 
 from engine.model.sink_attention import sink_attention as dense_sink_attention
 from kernels import dispatch
@@ -22,9 +23,6 @@ from kernels import sparse_attention as sparse_attention_module
 from kernels.kv_cache_ops import store_kv_entries_reference
 from kernels.kv_formats import dequantize_main_kv
 from kernels.sparse_attention import sparse_attention, sparse_attention_reference
-
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child")
 
 
 @pytest.fixture
@@ -213,17 +211,8 @@ def test_reference_float64_query_stays_float64(seed):
 
 @pytest.mark.skipif(INTERPRETED, reason="this process is the interpreter child")
 def test_triton_kernels_interpreted():
-    """Run this file's Triton tests in a child with TRITON_INTERPRET=1 set before Triton loads."""
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed")
-    env = {k: v for k, v in os.environ.items() if k != dispatch.ENV_VAR}
-    env["TRITON_INTERPRET"] = "1"
-    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"]
-    cmd += ["-k", "triton and not kernels_interpreted"]
-    child = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    print(child.stdout[-20000:], child.stderr[-5000:])
-    assert child.returncode == 0, "interpreted Triton tests failed (output above)"
-    assert " passed" in child.stdout and "skipped" not in child.stdout
+    """This file's Triton tests, run in a TRITON_INTERPRET=1 child (triton is a dependency)."""
+    run_triton_tests_in_child(__file__)
 
 
 TRITON_CASES = [
@@ -361,8 +350,6 @@ def _hopper_compile(fn, pointers: dict[str, str], constexprs: dict, fp_fusion: b
 
 @pytest.mark.skipif(INTERPRETED, reason="compiles real kernels; the child interprets them")
 def test_kernels_compile_for_hopper():
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed")
     from kernels.triton import block_max, gather_kv, indexer_scores, store_kv
     from kernels.triton import sparse_attention as attention
 
