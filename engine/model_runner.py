@@ -111,15 +111,21 @@ class PagedModelRunner:
         pre[:, 0] = 1.0  # the first collapse takes copy 0 (ARCHITECTURE 1.3)
         topk: dict[int, torch.Tensor] = {}  # published selection of each index source
         candidates: torch.Tensor | None = None
+        tables = _row_block_tables(segments, self.device)  # each row's block table
+        # Engram reads each row's last n-gram of token ids; built once per step.
+        token_ids = {
+            s.seq.seq_id: torch.tensor(s.seq.token_ids[: s.end], device=self.device)
+            for s in segments
+        }
 
         for block in model.layers:
             l = block.layer_id
             attn = block.attn
             if block.engram is not None:
-                rows = torch.cat(
-                    [model.engram_rows(_token_tensor(s.seq), s.start, s.end, l) for s in segments]
-                )
-                R = block.engram(R, rows.to(self.device))
+                rows = [
+                    model.engram_rows(token_ids[s.seq.seq_id], s.start, s.end, l) for s in segments
+                ]
+                R = block.engram(R, torch.cat(rows))
             pre_a, post_a, comb_a = block.hc_attn(R)
             x = block.attn_norm(hc_collapse(R, pre))
             swa_k, swa_valid = self._swa_windows(l, segments, attn.project_kv(x, pos))
@@ -129,12 +135,15 @@ class PagedModelRunner:
                 keep = self._decoder_rows(segments)
                 if keep is not None:
                     R, x, pos, pre = R[keep], x[keep], pos[keep], pre[keep]
+                    tables = tables[keep]
                     pre_a, post_a, comb_a = pre_a[keep], post_a[keep], comb_a[keep]
                     swa_k, swa_valid = swa_k[keep], swa_valid[keep]
                 if not segments:
                     return {}
             q, qr = attn.project_q(x, pos)
-            o = self._attention(block, segments, q, qr, x, pos, swa_k, swa_valid, topk, candidates)
+            o = self._attention(
+                block, segments, q, qr, x, pos, tables, swa_k, swa_valid, topk, candidates
+            )
             if isinstance(o, tuple):
                 o, candidates = o
             R = hc_mix(R, attn.project_out(o, pos), post_a, comb_a)
@@ -293,7 +302,9 @@ class PagedModelRunner:
             return None
         return torch.cat(keep) if keep else torch.zeros(0, dtype=torch.long)
 
-    def _attention(self, block, segments, q, qr, x, pos, swa_k, swa_valid, topk, candidates):
+    def _attention(
+        self, block, segments, q, qr, x, pos, tables, swa_k, swa_valid, topk, candidates
+    ):
         """Sparse attention of every row; returns o (and the candidates at the candidate source).
 
         All rows are scored and selected together: each row carries its own block
@@ -306,7 +317,6 @@ class PagedModelRunner:
         role = config.role(l)
         src = config.kv_source(l) if role is not LayerRole.SWA_ONLY else None
         pages = self.pages[src if src is not None else config.kv_source_layer_ids[0]]
-        tables = _row_block_tables(segments, q.device)
         published = None
         if role is LayerRole.SWA_ONLY:
             idx = torch.zeros(q.shape[0], 0, dtype=torch.long, device=q.device)
@@ -348,10 +358,6 @@ def _relayout(segments: list[_Segment]) -> None:
     for seg in segments:
         seg.offset = offset
         offset += seg.rows
-
-
-def _token_tensor(seq: Sequence) -> torch.Tensor:
-    return torch.tensor(seq.token_ids, dtype=torch.long)
 
 
 def _row_block_tables(segments: list[_Segment], device: torch.device) -> torch.Tensor:
