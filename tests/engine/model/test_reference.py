@@ -152,9 +152,12 @@ def test_ced_prefill_writes_exact_global_kv(tiny_model, ids, exact):
     assert not torch.allclose(ced.logits[-1], exact[0].logits[-1], atol=1e-4)
 
 
-def test_full_depth_prefill_is_exact(tiny_model, ids, exact):
-    full = forward(tiny_model, ids, ReplayPlan.prefill(N, 16, ced=False))
-    torch.testing.assert_close(full.logits, exact[0].logits)
+def test_full_depth_prefill_plans_the_exact_forward():
+    """--disable-ced without a hit runs every layer on every row: the exact plan.
+    (The engine test test_full_depth_equals_the_exact_reference runs it.)"""
+    assert ReplayPlan.prefill(N, 16, ced=False) == ReplayPlan.exact()
+    with_hit = ReplayPlan.prefill(N, 16, stored_tokens=32, ced=False)
+    assert with_hit.encoder_start == with_hit.decoder_start == 16
 
 
 def test_restore_with_window_covering_prefix_equals_prefill(tiny_model, ids, exact):
