@@ -50,6 +50,27 @@ class _Stream:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
+@dataclass(frozen=True, slots=True)
+class PrefillResult:
+    """What a prefill-only request left in the SSD tier for a decode worker.
+
+    ``published_pages``: pages of the prompt's chain durable on SSD, counted
+    from the first (a chain is usable up to its first missing page).
+    ``hit_tokens``: of those, tokens this worker found cached and did not compute.
+    """
+
+    prompt_tokens: int
+    published_pages: int
+    page_tokens: int
+    page_file_bytes: int
+    hit_tokens: int
+
+    @property
+    def published_bytes(self) -> int:
+        """Bytes of page files a decode worker reads to restore them (headers included)."""
+        return self.published_pages * self.page_file_bytes
+
+
 @dataclass(slots=True)
 class _Add:
     request: Request
@@ -119,6 +140,31 @@ class AsyncEngine:
                 self._inbox.put(_Abort(rid, report=False))
             with self._lock:
                 self._active.discard(rid)
+
+    async def prefill(self, request: Request, timeout: float | None = None) -> PrefillResult:
+        """Run a prefill-only request and wait until its pages are durable on SSD.
+
+        ``timeout`` bounds the wait for the SSD writes (the prefill itself is
+        bounded by the caller cancelling). Pages that did not make it in time
+        are simply not counted: a decode worker computes what is missing.
+        """
+        if not request.prefill_only:
+            raise ValueError("prefill() takes a Request with prefill_only=True")
+        last: RequestOutput | None = None
+        async for out in self.generate(request):
+            last = out
+        assert last is not None and last.published_pages is not None
+        chain = last.published_pages
+        # The wait runs off the event loop; the manager's tier is thread-safe.
+        pages = await asyncio.to_thread(self.engine.kv.wait_published, chain, timeout)
+        kv = self.stats().kv
+        return PrefillResult(
+            prompt_tokens=len(request.prompt_token_ids),
+            published_pages=pages,
+            page_tokens=kv.page_tokens,
+            page_file_bytes=kv.ssd.file_bytes,
+            hit_tokens=last.usage.prompt_cache_hit_tokens,
+        )
 
     def validate(self, request: Request) -> None:
         """Raise ``ValueError`` if ``request`` can never run (what ``generate`` checks first)."""

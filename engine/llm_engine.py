@@ -196,6 +196,9 @@ class LLMEngine:
             raise ValueError(f"request id {request.request_id!r} is already in the engine")
         self.validate(request)
         params = request.sampling_params
+        if request.prefill_only:
+            self._add_prefill_only(request)
+            return
         choices = []
         for index in range(params.n):
             seq = Sequence(
@@ -222,6 +225,40 @@ class LLMEngine:
             self.scheduler.add(seq)
         self._requests[request.request_id] = _RequestState(request, choices)
         self.counters.requests_added += 1
+
+    def _add_prefill_only(self, request: Request) -> None:
+        """One sequence over the prompt's full pages: the partial last page is the
+        decode side's to compute (only full pages are ever handed over)."""
+        pt = self.kv.page_tokens
+        full = len(request.prompt_token_ids) // pt * pt
+        seq = Sequence(
+            seq_id=next(self._seq_ids),
+            request_id=request.request_id,
+            token_ids=list(request.prompt_token_ids[:full]),
+            num_prompt_tokens=full,
+            salt=request.cache_salt,
+            priority=request.priority,
+            arrival=request.arrival_time,
+            prefill_only=True,
+        )
+        state = _RequestState(request, [_Choice(seq, None, None)])
+        self._requests[request.request_id] = state
+        self.counters.requests_added += 1
+        if full == 0:  # nothing to hand over
+            self._pending_outputs.append(self._finish_prefill(seq, []))
+            return
+        self.scheduler.add(seq)
+
+    def _finish_prefill(self, seq: Sequence, published: list[bytes]) -> RequestOutput:
+        """End a prefill-only request; its output carries the page chain to wait for."""
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = "stop"
+        seq.finished = self._clock()
+        state = self._requests.pop(seq.request_id)
+        out = self._output(state)
+        out.published_pages = published
+        self._count_finished(state)
+        return out
 
     def abort(self, request_id: str, *, report: bool = True) -> bool:
         """Finish every choice of ``request_id`` now, freeing its pages; False if unknown.
@@ -270,6 +307,11 @@ class LLMEngine:
             chunk.seq.num_computed = chunk.end
         for seq in batch.decodes:
             seq.num_computed = seq.num_tokens
+        for seq in batch.prefilled():
+            self._commit(seq)
+            published = self.kv.publish(seq.seq_id)
+            self.scheduler.finish(seq)
+            outputs.append(self._finish_prefill(seq, published))
         sampled = batch.sampled()
         if sampled:
             self._sample_and_append(sampled, logits)

@@ -88,7 +88,11 @@ class PagedModelRunner:
     @torch.no_grad()
     def execute(self, batch: StepBatch) -> dict[int, torch.Tensor]:
         segments = [_Segment(s, s.num_tokens - 1, s.num_tokens, True) for s in batch.decodes]
-        segments += [_Segment(c.seq, c.start, c.end, c.last) for c in batch.prefills]
+        segments += [
+            _Segment(c.seq, c.start, c.end, c.last and not c.seq.prefill_only)
+            for c in batch.prefills
+            if c.end > c.start  # a prefill-only chunk whose pages all hit runs nothing
+        ]
         if not segments:
             return {}
         for seg in segments:

@@ -54,8 +54,12 @@ class ReferenceRunner:
         for seq in batch.decodes:
             out[seq.seq_id] = self._run(seq, seq.num_tokens)
         for chunk in batch.prefills:
-            if chunk.last:  # earlier chunks only mark progress
-                out[chunk.seq.seq_id] = self._run(chunk.seq, chunk.end)
+            seq = chunk.seq
+            if not chunk.last or chunk.end <= seq.stored_tokens:
+                continue  # earlier chunks only mark progress; a full hit has nothing to run
+            logits = self._run(seq, chunk.end)
+            if not seq.prefill_only:
+                out[seq.seq_id] = logits
         return out
 
     def release(self, seq: Sequence) -> None:
@@ -65,7 +69,9 @@ class ReferenceRunner:
     def _run(self, seq: Sequence, n: int) -> torch.Tensor:
         """Logits of row ``n - 1`` under ``seq``'s plan; new global KV into its pages."""
         H = seq.stored_tokens
-        plan = ReplayPlan(H, seq.encoder_start, seq.decoder_start)
+        # A prefill-only plan has no decoder row; the dense forward runs one whose
+        # output is dropped (decoder layers write no global KV).
+        plan = ReplayPlan(H, seq.encoder_start, min(seq.decoder_start, n - 1))
         stored = self._read(seq, H) if H else None
         device = self.model.embed.weight.device
         ids = torch.tensor(seq.token_ids[:n], device=device)

@@ -17,6 +17,10 @@ class Request:
 
     ``cache_salt`` separates tenants in the prefix cache (user id, API key);
     ``priority``: lower runs first, ties by arrival.
+
+    ``prefill_only`` (a disaggregated prefill worker, docs/design/disaggregation.md):
+    run the encoder path over the prompt's full pages, commit and publish
+    them, and finish without a token; the sampling parameters are not used.
     """
 
     request_id: str
@@ -25,6 +29,7 @@ class Request:
     cache_salt: Salt = b""
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
+    prefill_only: bool = False
 
 
 @dataclass(slots=True)
@@ -104,3 +109,6 @@ class RequestOutput:
     finished: bool
     usage: Usage
     metrics: RequestMetrics
+    # A finished prefill-only request: the hash chain of its prompt's full pages,
+    # queued for the SSD tier (``AsyncEngine.prefill`` waits for them).
+    published_pages: list[bytes] | None = None

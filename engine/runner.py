@@ -14,6 +14,9 @@ Contract of ``execute`` (docs/design/engine.md):
   first chunk of an admission starts at ``seq.encoder_start``. With
   ``last=True`` (``end == seq.prefill_end``) also run the decoder replay over
   rows ``[decoder_start, end)`` and return the logits of row ``end - 1``.
+  A prefill-only sequence (``seq.prefill_only``) has ``decoder_start == end``:
+  no decoder rows and no logits. Its last chunk may hold no rows at all (every
+  page was already cached): then nothing runs.
 - decode ``seq``: run row ``seq.num_tokens - 1`` (the token sampled last step)
   through every layer, write its KV, return its logits.
 - ``seq.block_table`` already covers every row the step writes. The runner
@@ -66,7 +69,11 @@ class StepBatch:
 
     def sampled(self) -> list[Sequence]:
         """Sequences that get a next token this step, in the order of ``execute``'s keys."""
-        return self.decodes + [c.seq for c in self.prefills if c.last]
+        return self.decodes + [c.seq for c in self.prefills if c.last and not c.seq.prefill_only]
+
+    def prefilled(self) -> list[Sequence]:
+        """Prefill-only sequences whose last chunk runs this step (they get no token)."""
+        return [c.seq for c in self.prefills if c.last and c.seq.prefill_only]
 
 
 class ModelRunner(Protocol):

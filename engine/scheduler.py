@@ -125,8 +125,19 @@ class Scheduler:
         # admitting without them would only start work that preemption throws away.
         if self.pages_needed(seq.num_tokens) > self.kv.pool.num_available:
             return None
-        plan = self.kv.plan_restore(seq.seq_id, seq.token_ids, seq.salt, self.replay_tokens)
+        plan = self.kv.plan_restore(
+            seq.seq_id,
+            seq.token_ids,
+            seq.salt,
+            self.replay_tokens,
+            need_logits=not seq.prefill_only,
+        )
         end = min(seq.num_tokens, plan.replay_start + self._chunk(budget))
+        # A prefill-only sequence whose every page hit has nothing to run: no replay,
+        # a chunk of no rows that only marks it done.
+        nothing_to_run = plan.hit_tokens == seq.num_tokens
+        if nothing_to_run:
+            end = seq.num_tokens
         try:
             block_table = self.kv.allocate(seq.seq_id, end)
         except OutOfPages:  # hit pages held by others made the estimate optimistic
@@ -137,6 +148,9 @@ class Scheduler:
             seq.prompt_device_hit_tokens = plan.device_hit_tokens
             seq.prompt_ssd_hit_tokens = plan.ssd_hit_tokens
         seq.admit(plan.hit_tokens, plan.replay_start, self.replay_tokens, self.config.enable_ced)
+        if nothing_to_run:
+            seq.replay_tokens -= seq.num_tokens - seq.num_computed
+            seq.encoder_start = seq.num_computed = seq.num_tokens
         seq.block_table = block_table
         if seq.first_scheduled is None:
             seq.first_scheduled = self._clock()

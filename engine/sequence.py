@@ -72,6 +72,7 @@ class Sequence:
     priority: int = 0
     arrival: float = 0.0
     index: int = 0  # choice index within the request (0 .. n-1)
+    prefill_only: bool = False  # encoder path only: no decoder rows, no token
     status: SequenceStatus = SequenceStatus.WAITING
     block_table: list[int] = field(default_factory=list)
     # Plan of the current admission.
@@ -143,6 +144,8 @@ class Sequence:
         self.stored_tokens = hit_tokens
         self.encoder_start = e0
         self.decoder_start = max(e0, L - replay_tokens) if ced else e0
+        if self.prefill_only:  # nothing reads logits: no row goes past the boundary
+            self.decoder_start = L
         self.prefill_end = L
         self.num_computed = e0
         self.status = SequenceStatus.RUNNING

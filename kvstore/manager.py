@@ -115,19 +115,27 @@ class KVCacheManager:
 
     # ------------------------------------------------------------ restore
     def plan_restore(
-        self, request_id: Hashable, token_ids: Sequence[int], salt: Salt, replay_tokens: int
+        self,
+        request_id: Hashable,
+        token_ids: Sequence[int],
+        salt: Salt,
+        replay_tokens: int,
+        *,
+        need_logits: bool = True,
     ) -> RestorePlan:
         """Longest cached prefix from the device tier, extended from SSD; opens the request.
 
         The hit is capped at ``(len(token_ids) - 1) // page_tokens`` pages so at
-        least one token is computed (the engine needs its logits). SSD pages are
+        least one token is computed (the engine needs its logits); without
+        ``need_logits`` (a prefill-only request) every full page may hit. SSD pages are
         loaded into freshly allocated device pages; if the pool cannot hold them
         all, or one fails verification, the prefix stops there.
         """
         assert request_id not in self._requests, f"request {request_id!r} is already open"
         pt = self.page_tokens
         n = len(token_ids)
-        hashes = chain_hashes(token_ids, salt, pt, n_pages=max(0, (n - 1) // pt))
+        cap = max(0, (n - 1) // pt) if need_logits else n // pt
+        hashes = chain_hashes(token_ids, salt, pt, n_pages=cap)
         # Walk the chain: each page from the device if resident, else from SSD.
         page_ids: list[int] = []
         on_device: list[bool] = []
@@ -241,6 +249,27 @@ class KVCacheManager:
             rows = [self.memory.pages[p] for p in req.block_table[start : start + len(new)]]
             self.store.put_chain(list(zip(new, rows, strict=True)))
         return len(new)
+
+    def publish(self, request_id: Hashable) -> list[bytes]:
+        """Queue every committed page of the request for the SSD tier, restored ones too.
+
+        A page may sit on the device without a file (its write was dropped, or
+        the tier evicted it); a prefill worker must still hand it over. Returns
+        the request's chain of page hashes, for ``wait_published``.
+        """
+        req = self._requests[request_id]
+        if self.store is not None and req.hashes:
+            rows = [self.memory.pages[p] for p in req.block_table[: len(req.hashes)]]
+            self.store.put_chain(list(zip(req.hashes, rows, strict=True)))
+        return list(req.hashes)
+
+    def wait_published(self, hashes: Sequence[bytes], timeout: float | None = None) -> int:
+        """Pages of the chain ``hashes`` durable in the SSD tier, counted from the head,
+        once their queued writes are done (or ``timeout`` passes). Thread-safe: it
+        touches only the persistent tier, so a server may wait off the engine thread."""
+        if self.store is None:
+            return 0
+        return self.store.wait_written(hashes, timeout)
 
     def free(self, request_id: Hashable) -> None:
         """Drop the request's references; its cached pages stay resident (LRU)."""

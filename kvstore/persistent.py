@@ -13,6 +13,10 @@ Rules (ARCHITECTURE 2.3):
 - Any OSError while writing (ENOSPC, EIO, EROFS, EACCES, EFBIG) disables
   writes for the rest of the process with one warning; reads go on.
 - A byte budget with LRU eviction bounds the directory.
+- The directory may be shared by several processes (disaggregated prefill and
+  decode workers, docs/design/disaggregation.md): a lookup that misses the
+  index checks the disk once, so a page another process published is found
+  without a rescan. Verification on read still decides whether it is used.
 """
 
 from __future__ import annotations
@@ -110,8 +114,50 @@ class PersistentStore:
         return self.root / a / b / file_name(page_hash)
 
     def contains(self, page_hash: bytes) -> bool:
+        """Whether the page is in the tier: indexed, or published since by another process."""
         with self._lock:
-            return page_hash in self._index
+            if page_hash in self._index:
+                return True
+            if page_hash in self._pending:
+                return False
+        return self._discover(page_hash)
+
+    def _discover(self, page_hash: bytes) -> bool:
+        """Index a complete file another process wrote (size checked here, bytes on read)."""
+        try:
+            size = self.path(page_hash).stat().st_size
+        except OSError:
+            return False
+        if size != self.file_bytes:
+            return False
+        with self._lock:
+            if page_hash not in self._index:
+                self._index[page_hash] = size
+                self._total += size
+                self._stats.discovered_files += 1
+        return True
+
+    def wait_written(self, page_hashes: Sequence[bytes], timeout: float | None = None) -> int:
+        """Wait until none of ``page_hashes`` is queued; the length of their leading run
+        now in the tier (a chain is usable up to its first missing page)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._lock:
+                pending = any(h in self._pending for h in page_hashes)
+                futures = list(self._futures)
+            if not pending or not futures:
+                break
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                break
+            wait(futures, timeout=left, return_when="FIRST_COMPLETED")
+        with self._lock:
+            run = 0
+            for h in page_hashes:
+                if h not in self._index:
+                    break
+                run += 1
+            return run
 
     def __len__(self) -> int:
         with self._lock:
@@ -123,6 +169,7 @@ class PersistentStore:
             s.files = len(self._index)
             s.bytes = self._total
             s.pending_writes = len(self._pending)
+            s.file_bytes = self.file_bytes
             return s
 
     # -------------------------------------------------------------- reads

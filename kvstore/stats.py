@@ -35,7 +35,10 @@ class SSDStats:
     read_errors: int = 0
     # Writes not queued because too many were pending, or a page exceeds the budget.
     dropped_writes: int = 0
+    # Files another process published into a shared directory, found by a lookup.
+    discovered_files: int = 0
     scan_seconds: float = 0.0
+    file_bytes: int = 0  # size of one page file: header + payload + checksum
 
 
 @dataclass(slots=True)

@@ -21,6 +21,22 @@ from kvstore.layout import kv_layout
 from kvstore.manager import KVCacheManager
 
 TINY = ModelConfig.tiny()
+W = 16  # the tiny model's sliding window = default replay window
+ATOL = 1e-4  # logits of an engine run vs the oracle
+
+
+def ratios(model) -> dict[int, int]:
+    return {l: model.config.compress_ratios[l] for l in model.config.kv_source_layer_ids}
+
+
+def assert_matches(runner, rid: str, outputs, expected: list[int], logits: list[torch.Tensor]):
+    """Greedy tokens equal ``expected`` and every step's logits are within ``ATOL``."""
+    assert token_stream(outputs[rid]) == expected
+    got = runner.logits[rid, 0]
+    assert len(got) == len(logits)
+    for step, (a, b) in enumerate(zip(got, logits, strict=True)):
+        diff = (a - b).abs().max().item()
+        assert diff < ATOL, f"{rid}: step {step} logits differ by {diff}"
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -73,10 +89,15 @@ class CheckingRunner:
             out[seq.seq_id] = self._logits(seq)
         for chunk in batch.prefills:
             seq = chunk.seq
-            assert chunk.start == seq.num_computed < chunk.end <= seq.prefill_end
+            if seq.prefill_only and chunk.start == chunk.end:  # every page hit
+                assert chunk.last and chunk.end == seq.prefill_end == seq.stored_tokens
+            else:
+                assert chunk.start == seq.num_computed < chunk.end <= seq.prefill_end
             assert chunk.last == (chunk.end == seq.prefill_end)
             assert len(seq.block_table) * pt >= chunk.end
-            if chunk.last:
+            if seq.prefill_only:  # no decoder rows, so no logits
+                assert seq.decoder_start == seq.prefill_end
+            elif chunk.last:
                 out[seq.seq_id] = self._logits(seq)
         for seq in [*batch.decodes, *(c.seq for c in batch.prefills)]:
             assert seq.block_table == self.kv.block_table(seq.seq_id)

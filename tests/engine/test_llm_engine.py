@@ -13,9 +13,13 @@ import random
 import pytest
 import torch
 from engine_helpers import (
+    ATOL,
+    W,
+    assert_matches,
     fake_engine,
     greedy,
     prompt,
+    ratios,
     reference_engine,
     run_to_completion,
     token_stream,
@@ -33,22 +37,7 @@ from engine.sampling_params import SamplingParams
 from engine.tokenizer import load_tokenizer
 from kernels.kv_formats import dequantize_main_kv, fake_quant_main_kv, quantize_main_kv
 
-W = 16  # the tiny model's sliding window = default replay window
 PT = 8  # page tokens in these tests
-ATOL = 1e-4
-
-
-def ratios(model) -> dict[int, int]:
-    return {l: model.config.compress_ratios[l] for l in model.config.kv_source_layer_ids}
-
-
-def assert_matches(runner, rid: str, outputs, expected: list[int], logits: list[torch.Tensor]):
-    assert token_stream(outputs[rid]) == expected
-    got = runner.logits[rid, 0]
-    assert len(got) == len(logits)
-    for step, (a, b) in enumerate(zip(got, logits, strict=True)):
-        diff = (a - b).abs().max().item()
-        assert diff < ATOL, f"{rid}: step {step} logits differ by {diff}"
 
 
 # ----------------------------------------------------------------- vs reference

@@ -275,3 +275,58 @@ def test_uncreatable_directory_disables_writes(tmp_path: Path) -> None:
         s = kv.stats().ssd
         assert s.write_errors == 1 and not s.writes_enabled and s.files == 0
     assert plan.hit_tokens == 0
+
+
+# ------------------------------------------------------- a directory shared by processes
+
+
+def test_pages_published_after_start_are_found_by_lookup(
+    written: tuple[Path, list[bytes]], tmp_path: Path
+) -> None:
+    """A decode worker opened the directory before a prefill worker wrote into it."""
+    kv = KVCacheManager(LAYOUT, 16 * LAYOUT.page_bytes, kv_dir=tmp_path, kv_dir_bytes=10**9)
+    assert kv.stats().ssd.files == 0
+    shutil.copytree(written[0], tmp_path, dirs_exist_ok=True, copy_function=shutil.copy2)
+    plan = kv.plan_restore("q", TOKENS, "tenant", replay_tokens=16)
+    assert plan.ssd_hit_tokens == 5 * PT
+    for page, h in zip(plan.page_ids, written[1], strict=True):
+        assert torch.equal(kv.memory.pages[page], content_for(h, LAYOUT.page_bytes))
+    s = kv.stats().ssd
+    assert (s.discovered_files, s.files, s.bytes) == (5, 5, 5 * s.file_bytes)
+    kv.close()
+
+
+def test_a_corrupted_published_page_ends_the_hit_there(
+    written: tuple[Path, list[bytes]], tmp_path: Path
+) -> None:
+    kv = KVCacheManager(LAYOUT, 16 * LAYOUT.page_bytes, kv_dir=tmp_path, kv_dir_bytes=10**9)
+    shutil.copytree(written[0], tmp_path, dirs_exist_ok=True, copy_function=shutil.copy2)
+    _flip(kv.store.path(written[1][2]), HEADER_BYTES + 7)
+    truncated = kv.store.path(written[1][4])
+    truncated.write_bytes(truncated.read_bytes()[:-1])  # never indexed: wrong size
+    plan = kv.plan_restore("q", TOKENS, "tenant", replay_tokens=16)
+    assert plan.hit_tokens == 2 * PT  # pages 0 and 1; page 2 fails its checksum
+    s = kv.stats().ssd
+    assert s.checksum_failures == 1 and not kv.store.path(written[1][2]).exists()
+    kv.close()
+
+
+def test_wait_published_counts_the_durable_head_of_a_chain(tmp_path: Path) -> None:
+    kv = KVCacheManager(LAYOUT, 16 * LAYOUT.page_bytes, kv_dir=tmp_path, kv_dir_bytes=10**9)
+    kv.plan_restore("w", TOKENS, "tenant", replay_tokens=16)
+    kv.allocate("w", len(TOKENS))
+    kv.commit_full_pages("w", TOKENS, "tenant")
+    chain = kv.publish("w")
+    assert len(chain) == 5
+    assert kv.wait_published(chain, timeout=30) == 5
+    assert all(kv.store.path(h).stat().st_size == kv.store.file_bytes for h in chain)
+    # A missing middle page cuts the usable chain there.
+    kv.store.path(chain[1]).unlink()
+    other = KVCacheManager(LAYOUT, 16 * LAYOUT.page_bytes, kv_dir=tmp_path, kv_dir_bytes=10**9)
+    assert other.wait_published(chain) == 1
+    # Publishing again rewrites what the device still holds.
+    kv.store._drop(chain[1])  # the tier forgot it (as after an eviction)
+    kv.publish("w")
+    assert kv.wait_published(chain, timeout=30) == 5
+    kv.close()
+    other.close()
