@@ -293,6 +293,10 @@ def build_engine(config: EngineConfig, model: str | Path) -> LLMEngine:
         _, net = load_checkpoint(path, dtype=config.torch_dtype, device=config.device)
         model_id = checkpoint_fingerprint(path)
         own_tokenizer = path / TOKENIZER_FILE if (path / TOKENIZER_FILE).is_file() else None
+    if config.torch_dtype == torch.float64:
+        # Every parameter, mHC and router weights kept in fp32 by the loader included:
+        # an exact run must not mix precisions.
+        net = net.double()
     if own_tokenizer is None:
         set_engram_vocab(net, net.config, packaged_tokenizer_path())
     tokenizer = load_tokenizer(own_tokenizer)

@@ -8,7 +8,14 @@ from typing import Literal
 
 import torch
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    # Exact comparisons (tests): FP4 rounding and top-k ties then never depend on
+    # GEMM shapes, so two processes that chunk a prompt differently agree bit for bit.
+    "float64": torch.float64,
+}
 
 
 @dataclass(slots=True)

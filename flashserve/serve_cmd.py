@@ -31,6 +31,14 @@ CACHE_ENV = "FLASHSERVE_CACHE"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
+        "--role",
+        choices=("both", "prefill", "decode", "router"),
+        default="both",
+        help="both: one colocated server (default); prefill / decode: a worker of a split "
+        "deployment, sharing --kv-dir with the other pool; router: the split deployment's "
+        "front end (no model; see --prefill-url, --decode-url)",
+    )
+    parser.add_argument(
         "--model",
         default="tiny",
         help="'tiny' (built-in random checkpoint), 'demo' (the trained models/demo) or a "
@@ -70,6 +78,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     http.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
 
+    split = parser.add_argument_group("split deployment (docs/design/disaggregation.md)")
+    split.add_argument(
+        "--prefill-url", action="append", default=[], help="router: a prefill worker (repeatable)"
+    )
+    split.add_argument(
+        "--decode-url", action="append", default=[], help="router: a decode worker (repeatable)"
+    )
+    split.add_argument(
+        "--prefill-timeout",
+        type=float,
+        default=120.0,
+        help="router: seconds a prefill call may take before the decode worker prefills "
+        "instead (default %(default)s)",
+    )
+    split.add_argument(
+        "--decode-timeout",
+        type=float,
+        default=600.0,
+        help="router: seconds between two reads of a decode worker's answer (default %(default)s)",
+    )
+    split.add_argument(
+        "--publish-timeout",
+        type=float,
+        default=60.0,
+        help="prefill worker: seconds to wait for pages to reach the SSD tier; later ones are "
+        "left to the decode worker (default %(default)s)",
+    )
+
     engine = parser.add_argument_group("engine (EngineConfig)")
     engine.add_argument("--max-num-seqs", type=int, default=64, help="sequences running at once")
     engine.add_argument(
@@ -94,7 +130,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     engine.add_argument("--kv-dtype", choices=("fp4", "bf16"), default="fp4")
     engine.add_argument("--device", default="cpu", help="torch device (default cpu)")
-    engine.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    engine.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16", "float64"),
+        default="float32",
+        help="compute dtype (float64: exact comparisons in tests)",
+    )
     engine.add_argument(
         "--max-model-len", type=int, default=None, help="prompt + output cap (default: model's)"
     )
@@ -141,6 +182,8 @@ def server_settings(
         max_concurrent_requests=args.max_concurrent_requests,
         default_max_tokens=args.default_max_tokens,
         system_fingerprint=fingerprint,
+        role=args.role if args.role != "router" else "both",
+        publish_timeout_s=args.publish_timeout,
     )
 
 
@@ -191,6 +234,12 @@ def model_path(model: str, seed: int) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
+    problem = _role_problem(args)
+    if problem:
+        print(f"flashserve serve: {problem}", file=sys.stderr)
+        return 2
+    if args.role == "router":
+        return _run_router(args)
     import asyncio
 
     import uvicorn
@@ -230,6 +279,48 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, previous)
         _say("shutting down the engine")
         engine.shutdown()
+    return 0
+
+
+def _role_problem(args: argparse.Namespace) -> str | None:
+    """What makes the flags unusable for ``--role``, or None."""
+    if args.role in ("prefill", "decode") and not args.kv_dir:
+        return f"--role {args.role} needs --kv-dir: the SSD tier is how pages are handed over"
+    if args.role == "router" and not (args.prefill_url and args.decode_url):
+        return "--role router needs at least one --prefill-url and one --decode-url"
+    if args.role != "router" and (args.prefill_url or args.decode_url):
+        return "--prefill-url and --decode-url are flags of --role router"
+    return None
+
+
+def _run_router(args: argparse.Namespace) -> int:
+    """The front end of a split deployment: no model, no engine."""
+    import asyncio
+
+    import uvicorn
+
+    from server.router import RouterSettings, create_router_app
+
+    router = RouterSettings(
+        prefill_urls=tuple(args.prefill_url),
+        decode_urls=tuple(args.decode_url),
+        prefill_timeout_s=args.prefill_timeout,
+        decode_timeout_s=args.decode_timeout,
+    )
+    _say(
+        f"routing: prefill {', '.join(router.prefill_urls)}; decode {', '.join(router.decode_urls)}"
+    )
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        app = create_router_app(server_settings(args, "fp_router"), router)
+        server = uvicorn.Server(
+            uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
+        )
+        asyncio.run(_serve(server, args.served_model_name))
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0
 
 

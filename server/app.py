@@ -1,32 +1,35 @@
 """The FastAPI app: routes, authentication, the body limit and the one error shape.
 
-``create_app(engine, settings)`` is the whole HTTP surface; ``flashserve serve``
-runs it under uvicorn. Routes are thin: chat and completions live in
-``serving_chat`` and ``serving_completions``. Every failure, including
+``create_app(engine, settings)`` is the whole HTTP surface of a server with an
+engine; ``flashserve serve`` runs it under uvicorn. Routes are thin: chat and
+completions live in ``serving_chat`` and ``serving_completions``. A prefill
+worker (``settings.role == "prefill"``) serves ``prefill_worker``'s internal
+routes instead of the API; a router has no engine and its own app
+(``server/router.py``). Every failure, including
 FastAPI's own (validation, unknown path, wrong method) and any bug, leaves as
 ``{"error": {...}}`` with DeepSeek's status codes.
 """
 
 # No `from __future__ import annotations`: FastAPI reads the route signatures at
 # runtime, and their dependencies (``auth``) are local to ``create_app``.
-import logging
+from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI
 from fastapi import Request as HttpRequest
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from fastapi.responses import Response
 
 from engine.async_engine import AsyncEngine
 from server.auth import api_key_dependency
 from server.body_limit import BodySizeLimit
-from server.errors import APIError, from_validation_errors, server_error, unavailable
+from server.error_handlers import install_error_handlers
+from server.errors import APIError, unavailable
 from server.generation import Admission, ServingContext
 from server.logprobs import TokenTexts
 from server.metrics import CONTENT_TYPE, ServerMetrics
 from server.model_names import model_ids
+from server.prefill_worker import add_prefill_routes
 from server.protocol import (
     ChatCompletion,
     ChatCompletionRequest,
@@ -41,8 +44,6 @@ from server.serving_completions import create_completion
 from server.settings import ServerSettings
 from server.sse import MEDIA_TYPE
 from server.structured_output import StructuredOutputCompiler
-
-logger = logging.getLogger(__name__)
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorResponse, "description": "Invalid format"},
@@ -77,7 +78,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
     ctx = ServingContext(
         engine=engine,
         settings=settings,
-        metrics=ServerMetrics(settings.served_model_name),
+        metrics=ServerMetrics(settings.served_model_name, role=settings.role),
         tokenizer=tokenizer,
         token_texts=TokenTexts(tokenizer),
         structured=StructuredOutputCompiler(
@@ -93,9 +94,33 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
         summary="OpenAI- and DeepSeek-compatible API for DeepSeek-V4.1-Flash",
     )
     app.state.serving = ctx
-    _install_error_handlers(app)
+    install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     auth = api_key_dependency(settings.api_keys)
+    if settings.role == "prefill":
+        add_prefill_routes(app, ctx, auth)
+    else:
+        _add_api_routes(app, ctx, auth)
+
+    @app.get("/health", responses={503: _ERRORS[503]})
+    async def health() -> dict[str, str]:
+        """200 while the engine thread runs (no authentication)."""
+        if not engine.is_running:
+            raise unavailable("The engine is not running")
+        return {"status": "ok"}
+
+    @app.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE: {}}}})
+    async def metrics() -> Response:
+        """Prometheus metrics (no authentication; names in docs/metrics.md)."""
+        ctx.metrics.set_engine_stats(engine.stats())
+        return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)
+
+    return app
+
+
+def _add_api_routes(app: FastAPI, ctx: ServingContext, auth: Callable[..., Any]) -> None:
+    """The OpenAI/DeepSeek API: chat, completions, FIM and models."""
+    settings = ctx.settings
 
     async def chat_completions(
         body: ChatCompletionRequest,
@@ -163,44 +188,3 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
             path, list_models, methods=["GET"], responses=_ERRORS, include_in_schema=schema
         )
     app.add_api_route("/v1/models/{model}", retrieve_model, methods=["GET"], responses=_ERRORS)
-
-    @app.get("/health", responses={503: _ERRORS[503]})
-    async def health() -> dict[str, str]:
-        """200 while the engine thread runs (no authentication)."""
-        if not engine.is_running:
-            raise unavailable("The engine is not running")
-        return {"status": "ok"}
-
-    @app.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE: {}}}})
-    async def metrics() -> Response:
-        """Prometheus metrics (no authentication; names in docs/metrics.md)."""
-        ctx.metrics.set_engine_stats(engine.stats())
-        return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)
-
-    return app
-
-
-def _install_error_handlers(app: FastAPI) -> None:
-    def reply(error: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
-        return JSONResponse(error.body(), status_code=error.status, headers=headers)
-
-    async def api_error(_: HttpRequest, exc: Exception) -> JSONResponse:
-        assert isinstance(exc, APIError)
-        return reply(exc)
-
-    async def validation_error(_: HttpRequest, exc: Exception) -> JSONResponse:
-        assert isinstance(exc, RequestValidationError)
-        return reply(from_validation_errors(exc.errors()))
-
-    async def http_error(_: HttpRequest, exc: Exception) -> JSONResponse:
-        assert isinstance(exc, StarletteHTTPException)
-        return reply(APIError(exc.status_code, str(exc.detail)), exc.headers)
-
-    async def unexpected(request: HttpRequest, exc: Exception) -> JSONResponse:
-        logger.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-        return reply(server_error())
-
-    app.add_exception_handler(APIError, api_error)
-    app.add_exception_handler(RequestValidationError, validation_error)
-    app.add_exception_handler(StarletteHTTPException, http_error)
-    app.add_exception_handler(Exception, unexpected)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
 from tokenizers import Tokenizer
@@ -22,6 +22,7 @@ from tokenizers import Tokenizer
 from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.request import CompletionOutput, Request, RequestOutput, Usage
 from server.errors import APIError, invalid_parameter, invalid_request, overloaded, unavailable
+from server.handover import HANDOVER_HEADER, Handover
 from server.logprobs import TokenTexts
 from server.metrics import ServerMetrics
 from server.protocol import Usage as ApiUsage
@@ -79,6 +80,13 @@ class ChoiceUpdate:
     output: CompletionOutput
 
 
+def handover_of(ctx: ServingContext, headers: Mapping[str, str]) -> Handover | None:
+    """The router's handover header, honoured by a decode worker only."""
+    if ctx.settings.role != "decode":
+        return None
+    return Handover.parse(headers.get(HANDOVER_HEADER))
+
+
 def engine_error(exc: BaseException) -> APIError:
     """The API error for an exception out of the engine."""
     if isinstance(exc, APIError):
@@ -111,8 +119,13 @@ class Generation:
         *,
         prompt_param: str = "messages",
         clock: Callable[[], float] = time.monotonic,
+        handover: Handover | None = None,
     ) -> None:
-        """Validate every call, then take a place in the admission count (or raise)."""
+        """Validate every call, then take a place in the admission count (or raise).
+
+        ``handover``: the pages a prefill worker published for these prompts (a
+        decode worker of a split deployment); measured when each prompt's first
+        call finishes."""
         if not ctx.engine.is_running:  # a 503 now, rather than a stream that fails at once
             raise unavailable("The engine is not running")
         for call in calls:
@@ -124,6 +137,7 @@ class Generation:
         self._ctx = ctx
         self._calls = sorted(calls, key=lambda c: c.first_index)
         self._clock = clock
+        self._handover = handover
         self._queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
         self._usage: dict[int, Usage] = {}
         self._open = len(calls)
@@ -142,6 +156,7 @@ class Generation:
                     token_times.append(out.metrics.last_token_time)
                 if out.finished:
                     self._observe(out, token_times)
+                    self._observe_handover(call, out)
                 self._queue.put_nowait((k, out))
         except Exception as exc:  # CancelledError is not one: closing stays silent
             self._queue.put_nowait((k, exc))
@@ -154,6 +169,31 @@ class Generation:
             token_times=token_times,
             finished=m.finished_time if m.finished_time is not None else self._clock(),
         )
+
+    def _observe_handover(self, call: EngineCall, out: RequestOutput) -> None:
+        """Handover latency and bytes of a prompt's first call; a fallback when the
+        engine restored fewer pages than the prefill worker published."""
+        handover = self._handover
+        if handover is None or call is not self._first_of_group(call.prompt_group):
+            return
+        stats = self._ctx.engine.stats().kv
+        pt = stats.page_tokens
+        usage = out.usage
+        # The decode side leaves at least one prompt token to compute (its logits).
+        expected = min(handover.pages_for(call.prompt_group), (usage.prompt_tokens - 1) // pt)
+        if expected == 0:
+            return
+        m = self._ctx.metrics.disagg
+        if usage.prompt_cache_hit_tokens < expected * pt:
+            m.fallback("missing_pages")
+        m.handover_bytes.observe(usage.prompt_ssd_hit_tokens // pt * stats.ssd.file_bytes)
+        scheduled = out.metrics.first_scheduled_time
+        if scheduled is not None:  # monotonic on this host -> wall clock, to meet the worker's
+            admitted = scheduled + (time.time() - time.monotonic())
+            m.handover_seconds.observe(max(0.0, admitted - handover.published_at))
+
+    def _first_of_group(self, group: int) -> EngineCall:
+        return next(c for c in self._calls if c.prompt_group == group)
 
     @property
     def finished(self) -> bool:

@@ -25,6 +25,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from engine.request import FINISH_REASONS
+from server.disagg_metrics import DisaggMetrics, Role
 
 if TYPE_CHECKING:
     from engine.llm_engine import EngineStats
@@ -191,7 +192,10 @@ def _family(spec: EngineMetric) -> GaugeMetricFamily | CounterMetricFamily:
 class ServerMetrics:
     """Every ``flashserve:`` metric of one model, in a registry of its own."""
 
-    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self, model_name: str, registry: CollectorRegistry | None = None, role: Role = "both"
+    ) -> None:
+        """``role`` "router" has no engine: its scrape carries no engine gauges or counters."""
         self.model_name = model_name
         # A registry per app: two apps (or tests) in one process never collide.
         self.registry = CollectorRegistry() if registry is None else registry
@@ -223,7 +227,9 @@ class ServerMetrics:
             QUEUE_BUCKETS,
         )
         self.engine = EngineCollector(model_name)
-        self.registry.register(self.engine)
+        if role != "router":
+            self.registry.register(self.engine)
+        self.disagg = DisaggMetrics(self.registry, model_name, role)
 
     def observe_request(
         self,

@@ -22,7 +22,14 @@ from server.auth import tenant_salt
 from server.chat_encoding import ASSISTANT, encode_chat, ends_inside_reasoning
 from server.chat_output import ChatOutputParser
 from server.errors import APIError, server_error
-from server.generation import ClientGone, EngineCall, Generation, ServingContext, run_to_end
+from server.generation import (
+    ClientGone,
+    EngineCall,
+    Generation,
+    ServingContext,
+    handover_of,
+    run_to_end,
+)
 from server.model_names import resolve_model, thinking_enabled
 from server.protocol import (
     ChatChoice,
@@ -68,7 +75,12 @@ async def create_chat_completion(
     http_request: HttpRequest,
 ) -> Response:
     plan = plan_chat(ctx, body, api_key)
-    gen = Generation(ctx, plan.calls, prompt_param="messages")
+    gen = Generation(
+        ctx,
+        plan.calls,
+        prompt_param="messages",
+        handover=handover_of(ctx, http_request.headers),
+    )
     think_end_id = ctx.tokenizer.token_to_id(THINK_END)
     parsers = [
         ChatOutputParser(

@@ -29,6 +29,7 @@ from server.generation import (
     EngineCall,
     Generation,
     ServingContext,
+    handover_of,
     run_to_end,
 )
 from server.logprobs import extend_completion_logprobs, extend_prompt_logprobs
@@ -98,7 +99,9 @@ async def create_completion(
         )
         request = Request(f"{request_id}-{i}", prompt.ids, params, cache_salt=salt)
         calls.append(EngineCall(request, first_index=i * body.n, prompt_group=i))
-    gen = Generation(ctx, calls, prompt_param="prompt")
+    gen = Generation(
+        ctx, calls, prompt_param="prompt", handover=handover_of(ctx, http_request.headers)
+    )
     choices = [_start_choice(ctx, prompts[i // body.n], body) for i in range(len(calls) * body.n)]
     created = int(time.time())
 
@@ -130,6 +133,14 @@ async def create_completion(
         usage=gen.usage(),
     )
     return Response(completion.model_dump_json(), media_type="application/json")
+
+
+def completion_prompt_ids(
+    ctx: ServingContext, body: CompletionRequest, fim: bool
+) -> list[list[int]]:
+    """The token ids of each prompt, as ``create_completion`` feeds them to the engine."""
+    resolve_model(body.model, ctx.settings.served_model_name)
+    return [_prompt(ctx, p, body.suffix, fim).ids for p in body.prompts()]
 
 
 def _prompt(ctx: ServingContext, prompt: str | list[int], suffix: str | None, fim: bool) -> _Prompt:

@@ -11,6 +11,7 @@ import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from server.disagg_metrics import ROLES, Role
 from server.model_names import DEFAULT_SERVED_MODEL_NAME
 
 API_KEYS_ENV = "FLASHSERVE_API_KEYS"
@@ -35,6 +36,12 @@ class ServerSettings:
     system_fingerprint: str = "fp_flashserve"
     # How often a non-streamed request checks whether its client has gone.
     disconnect_poll_s: float = 0.5
+    # both: the colocated server; prefill / decode: a worker of a split deployment
+    # (docs/design/disaggregation.md). A router has settings of its own (server/router.py).
+    role: Role = "both"
+    # Prefill worker: how long a request waits for its pages to become durable on
+    # SSD; pages not written by then are left for the decode worker to compute.
+    publish_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1:
@@ -45,6 +52,10 @@ class ServerSettings:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"ServerSettings.{name} must be >= 1 (or None)")
+        if self.role not in ROLES:
+            raise ValueError(f"ServerSettings.role must be one of {ROLES}, got {self.role!r}")
+        if not self.publish_timeout_s > 0:
+            raise ValueError("ServerSettings.publish_timeout_s must be > 0")
         if any(not key for key in self.api_keys):
             raise ValueError("ServerSettings.api_keys: keys must not be empty")
 

@@ -32,8 +32,8 @@ def event(payload: BaseModel | dict[str, Any], *, exclude: set[str] | None = Non
     return b"data: " + text.encode() + b"\n\n"
 
 
-class EventStreamResponse(StreamingResponse):
-    """A ``text/event-stream`` response that stops its generator when the client leaves.
+class WatchedStreamingResponse(StreamingResponse):
+    """A streamed response that stops its generator when the client leaves.
 
     ``on_close`` runs once the stream ends for any reason (finished, client
     gone, failed), even if the generator never started.
@@ -43,14 +43,12 @@ class EventStreamResponse(StreamingResponse):
         self,
         content: AsyncIterator[bytes],
         *,
+        status_code: int = 200,
+        media_type: str | None = None,
+        headers: dict[str, str] | None = None,
         on_close: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
-        super().__init__(
-            content,
-            media_type=MEDIA_TYPE,
-            # no-cache: never replay a stream; X-Accel-Buffering: nginx must not buffer it.
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
+        super().__init__(content, status_code=status_code, media_type=media_type, headers=headers)
         self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -76,3 +74,21 @@ class EventStreamResponse(StreamingResponse):
                     await iterator.aclose()  # type: ignore[union-attr]
                 if self._on_close is not None:
                     await self._on_close()
+
+
+class EventStreamResponse(WatchedStreamingResponse):
+    """A ``text/event-stream`` response that stops its generator when the client leaves."""
+
+    def __init__(
+        self,
+        content: AsyncIterator[bytes],
+        *,
+        on_close: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        super().__init__(
+            content,
+            media_type=MEDIA_TYPE,
+            # no-cache: never replay a stream; X-Accel-Buffering: nginx must not buffer it.
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            on_close=on_close,
+        )

@@ -104,3 +104,34 @@ def test_serve_refuses_a_directory_without_config(
 ) -> None:
     assert main(["serve", "--model", str(tmp_path)]) == 2
     assert "no config.json" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "problem"),
+    [
+        (("--role", "prefill"), "--role prefill needs --kv-dir"),
+        (("--role", "decode"), "--role decode needs --kv-dir"),
+        (("--role", "router", "--decode-url", "http://d"), "needs at least one --prefill-url"),
+        (("--role", "router", "--prefill-url", "http://p"), "one --decode-url"),
+        (("--prefill-url", "http://p"), "flags of --role router"),
+    ],
+)
+def test_serve_refuses_flags_a_role_cannot_use(
+    argv: tuple[str, ...], problem: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["serve", *argv]) == 2
+    assert problem in capsys.readouterr().err
+
+
+def test_role_flags_reach_the_settings() -> None:
+    args = _args("--role", "prefill", "--kv-dir", "/kv", "--publish-timeout", "7.5")
+    settings = serve_cmd.server_settings(args, "fp", env={})
+    assert (settings.role, settings.publish_timeout_s) == ("prefill", 7.5)
+    assert serve_cmd.server_settings(_args(), "fp", env={}).role == "both"
+    assert serve_cmd.engine_config(_args("--dtype", "float64")).dtype == "float64"
+    router = _args(
+        *("--role", "router", "--prefill-url", "http://p1", "--prefill-url", "http://p2"),
+        *("--decode-url", "http://d", "--prefill-timeout", "3", "--decode-timeout", "9"),
+    )
+    assert (router.prefill_url, router.decode_url) == (["http://p1", "http://p2"], ["http://d"])
+    assert (router.prefill_timeout, router.decode_timeout) == (3.0, 9.0)

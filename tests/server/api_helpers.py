@@ -101,30 +101,48 @@ def checkpoint_cache(cache_root: Path) -> Path:
 
 def start_server(cache: Path, tmp: Path) -> LiveServer:
     """``flashserve serve --model tiny --port 0 ...``; returns once /health answers."""
-    log_path = tmp / "server.log"
-    env = dict(os.environ)
-    env["FLASHSERVE_CACHE"] = str(cache)
-    env["FLASHSERVE_API_KEYS"] = ENV_API_KEY
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    args = ["--model", "tiny", "--api-key", API_KEY, "--max-model-len", str(MAX_MODEL_LEN)]
+    args += ["--max-num-seqs", str(MAX_NUM_SEQS), "--max-concurrent-requests", str(MAX_CONCURRENT)]
+    args += ["--keep-alive-seconds", str(KEEP_ALIVE_S), "--max-body-bytes", str(MAX_BODY_BYTES)]
+    args += ["--default-max-tokens", str(DEFAULT_MAX_TOKENS), "--page-tokens", str(PAGE_TOKENS)]
+    args += ["--kv-cache-bytes", str(KV_CACHE_BYTES), "--kv-dir", str(tmp / "kv")]
+    server = spawn_server(cache, tmp / "server.log", args)
+    wait_ready(server)
+    return server
+
+
+def spawn_server(
+    cache: Path, log_path: Path, args: list[str], env: dict[str, str] | None = None
+) -> LiveServer:
+    """Start ``flashserve serve --host 127.0.0.1 --port 0 ARGS`` (any role); ``wait_ready``
+    waits for it, so several servers can start side by side."""
+    full_env = dict(os.environ)
+    full_env["FLASHSERVE_CACHE"] = str(cache)
+    full_env["FLASHSERVE_API_KEYS"] = ENV_API_KEY
+    full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), full_env.get("PYTHONPATH")]))
+    full_env.update(env or {})
     cmd = [sys.executable, "-c", "import sys; from flashserve.cli import main; sys.exit(main())"]
-    cmd += ["serve", "--model", "tiny", "--host", "127.0.0.1", "--port", "0"]
-    cmd += ["--api-key", API_KEY, "--max-model-len", str(MAX_MODEL_LEN)]
-    cmd += ["--max-num-seqs", str(MAX_NUM_SEQS), "--max-concurrent-requests", str(MAX_CONCURRENT)]
-    cmd += ["--keep-alive-seconds", str(KEEP_ALIVE_S), "--max-body-bytes", str(MAX_BODY_BYTES)]
-    cmd += ["--default-max-tokens", str(DEFAULT_MAX_TOKENS), "--page-tokens", str(PAGE_TOKENS)]
-    cmd += ["--kv-cache-bytes", str(KV_CACHE_BYTES), "--kv-dir", str(tmp / "kv")]
-    cmd += ["--log-level", "warning"]
+    cmd += ["serve", "--host", "127.0.0.1", "--port", "0", "--log-level", "warning", *args]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            cmd,
+            cwd=REPO,
+            env=full_env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
-    server = LiveServer("", log_path, proc)
+    return LiveServer("", log_path, proc)
+
+
+def wait_ready(server: LiveServer) -> None:
+    """Wait until the server's /health answers (stops it if it never does)."""
+    assert server.proc is not None
     try:
-        server.base_url = _wait_for_url(proc, log_path)
+        server.base_url = _wait_for_url(server.proc, server.log_path)
     except BaseException:
         stop_server(server)
         raise
-    return server
 
 
 def stop_server(server: LiveServer) -> None:

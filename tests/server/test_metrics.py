@@ -22,12 +22,16 @@ HISTOGRAMS = {
     "flashserve:inter_token_latency_seconds",
     "flashserve:e2e_request_latency_seconds",
     "flashserve:request_queue_time_seconds",
+    "flashserve:disagg_prefill_seconds",
+    "flashserve:disagg_handover_seconds",
+    "flashserve:disagg_handover_bytes",
 }
 GAUGES = {
     "flashserve:num_requests_running",
     "flashserve:num_requests_waiting",
     "flashserve:kv_cache_usage_perc",
     "flashserve:kv_ssd_bytes",
+    "flashserve:server_role",
 }
 COUNTERS = {
     "flashserve:prefix_cache_queries_total",
@@ -40,7 +44,16 @@ COUNTERS = {
     "flashserve:preemptions_total",
     "flashserve:kv_ssd_checksum_failures_total",
     "flashserve:kv_ssd_write_errors_total",
+    "flashserve:disagg_fallbacks_total",
+    "flashserve:disagg_published_pages_total",
+    "flashserve:disagg_published_bytes_total",
 }
+ENGINE_NAMES = {
+    "flashserve:num_requests_running",
+    "flashserve:num_requests_waiting",
+    "flashserve:kv_cache_usage_perc",
+    "flashserve:kv_ssd_bytes",
+} | {n for n in COUNTERS if not n.startswith("flashserve:disagg_")}
 
 
 def samples(metrics: ServerMetrics) -> dict[tuple[str, frozenset], float]:
@@ -72,6 +85,34 @@ def test_exposed_names_and_types_are_the_documented_ones() -> None:
     assert {n for n, t in types.items() if t == "histogram"} == HISTOGRAMS
     assert {n for n, t in types.items() if t == "counter"} == COUNTERS
     assert {n for n, t in types.items() if t == "gauge"} - created == GAUGES
+
+
+@pytest.mark.parametrize("role", ["both", "prefill", "decode", "router"])
+def test_each_role_says_what_it_is_and_a_router_has_no_engine_series(role: str) -> None:
+    metrics = ServerMetrics(MODEL, role=role)
+    types = type_lines(metrics)
+    for r in ("both", "prefill", "decode", "router"):
+        assert value(metrics, "flashserve:server_role", role=r) == (r == role)
+    for reason in ("prefill_timeout", "prefill_error", "missing_pages"):
+        assert value(metrics, "flashserve:disagg_fallbacks_total", reason=reason) == 0
+    engine_names = ENGINE_NAMES & set(types)
+    assert engine_names == (set() if role == "router" else ENGINE_NAMES)
+
+
+def test_disagg_histograms_and_counters_read_back() -> None:
+    metrics = ServerMetrics(MODEL, role="decode")
+    d = metrics.disagg
+    d.handover_bytes.observe(4 * 34272)
+    d.handover_bytes.observe(0)
+    d.handover_seconds.observe(0.004)
+    d.fallback("missing_pages")
+    assert value(metrics, "flashserve:disagg_handover_bytes_sum") == 4 * 34272
+    assert value(metrics, "flashserve:disagg_handover_bytes_count") == 2
+    assert value(metrics, "flashserve:disagg_handover_bytes_bucket", le="16384.0") == 1
+    assert value(metrics, "flashserve:disagg_handover_bytes_bucket", le="262144.0") == 2
+    assert value(metrics, "flashserve:disagg_handover_seconds_bucket", le="0.0025") == 0
+    assert value(metrics, "flashserve:disagg_handover_seconds_bucket", le="0.005") == 1
+    assert value(metrics, "flashserve:disagg_fallbacks_total", reason="missing_pages") == 1
 
 
 def test_every_series_exists_at_zero_before_any_traffic() -> None:

@@ -1,0 +1,46 @@
+"""Exception handlers that give every failure the API's one error shape.
+
+FastAPI's own failures (validation, unknown path, wrong method) and any bug
+leave as ``{"error": {...}}`` with DeepSeek's status codes; both the engine
+app (``server/app.py``) and the router (``server/router.py``) install them.
+"""
+
+import logging
+
+from fastapi import FastAPI
+from fastapi import Request as HttpRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from server.errors import APIError, from_validation_errors, server_error
+
+logger = logging.getLogger(__name__)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every failure leaves as ``{"error": {...}}`` (the router's app uses them too)."""
+
+    def reply(error: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
+        return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+    async def api_error(_: HttpRequest, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, APIError)
+        return reply(exc)
+
+    async def validation_error(_: HttpRequest, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        return reply(from_validation_errors(exc.errors()))
+
+    async def http_error(_: HttpRequest, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        return reply(APIError(exc.status_code, str(exc.detail)), exc.headers)
+
+    async def unexpected(request: HttpRequest, exc: Exception) -> JSONResponse:
+        logger.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+        return reply(server_error())
+
+    app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(Exception, unexpected)

@@ -1,0 +1,56 @@
+"""What a router tells a decode worker about the pages a prefill worker published.
+
+The KV bytes themselves never travel over HTTP: they are page files in the
+shared SSD tier, keyed by the prefix-cache hash chain, so the decode worker
+finds them by its own lookup. The header only carries what the decode worker
+cannot know: how many pages were published per prompt (to detect a fallback)
+and when they became durable (to time the handover).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+HANDOVER_HEADER = "x-flashserve-handover"
+
+# The internal route of a prefill worker for each public route.
+PREFILL_ROUTES = {
+    "/v1/chat/completions": "/internal/prefill/chat",
+    "/chat/completions": "/internal/prefill/chat",
+    "/beta/chat/completions": "/internal/prefill/chat",
+    "/v1/completions": "/internal/prefill/completions",
+    "/completions": "/internal/prefill/completions",
+    "/beta/completions": "/internal/prefill/fim",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Handover:
+    """Pages published for each prompt of a request (its prompt groups, in order)."""
+
+    pages: tuple[int, ...]
+    published_at: float  # time.time() on the prefill worker once the pages were durable
+
+    def header(self) -> str:
+        return json.dumps({"pages": list(self.pages), "published_at": self.published_at})
+
+    @classmethod
+    def parse(cls, value: str | None) -> Handover | None:
+        """The header's handover, or None when absent or malformed (then nothing is
+        measured: a bad header must not fail a request the decode worker can serve)."""
+        if not value:
+            return None
+        try:
+            raw = json.loads(value)
+            pages = tuple(int(p) for p in raw["pages"])
+            published_at = float(raw["published_at"])
+        except (ValueError, TypeError, KeyError):
+            return None
+        if any(p < 0 for p in pages) or not math.isfinite(published_at):
+            return None
+        return cls(pages, published_at)
+
+    def pages_for(self, prompt_group: int) -> int:
+        return self.pages[prompt_group] if prompt_group < len(self.pages) else 0
