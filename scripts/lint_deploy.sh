@@ -14,10 +14,11 @@ missing() {
 step "hadolint: docker/Dockerfile docker/Dockerfile.cpu"
 "$BIN/hadolint" docker/Dockerfile docker/Dockerfile.cpu
 
-step "docker-compose config: docker/compose.yaml (+ compose.gpu.yaml)"
+step "docker-compose config: docker/compose.yaml (+ compose.gpu.yaml, + profile split)"
 command -v docker-compose >/dev/null 2>&1 || missing docker-compose
 docker-compose -f docker/compose.yaml config -q
 docker-compose -f docker/compose.yaml -f docker/compose.gpu.yaml config -q
+docker-compose -f docker/compose.yaml --profile split config -q
 
 step "promtool: config, alert rules, rule unit tests"
 command -v promtool >/dev/null 2>&1 || missing promtool

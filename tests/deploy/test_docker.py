@@ -151,20 +151,27 @@ def test_dockerignore_keeps_every_copied_path_and_drops_the_rest() -> None:
 # ------------------------------------------------------------------ entry point
 
 
-def run_entrypoint(tmp_path: Path, args: list[str], env: dict[str, str]) -> list[str]:
-    """argv the entry point execs, with a stand-in ``flashserve`` that prints it."""
+def entrypoint(
+    tmp_path: Path, args: list[str], env: dict[str, str]
+) -> subprocess.CompletedProcess[str]:
+    """The entry point run with a stand-in ``flashserve`` that prints its argv."""
     fake = tmp_path / "bin" / "flashserve"
     fake.parent.mkdir(exist_ok=True)
     fake.write_text('#!/bin/sh\nfor a in flashserve "$@"; do printf "%s\\n" "$a"; done\n')
     fake.chmod(0o755)
     base = {"PATH": f"{fake.parent}:/usr/bin:/bin"}
-    run = subprocess.run(
+    return subprocess.run(
         ["sh", str(DOCKER / "entrypoint.sh"), *args],
         env={**base, **env},
         capture_output=True,
         text=True,
         timeout=10,
     )
+
+
+def run_entrypoint(tmp_path: Path, args: list[str], env: dict[str, str]) -> list[str]:
+    """argv the entry point execs."""
+    run = entrypoint(tmp_path, args, env)
     assert run.returncode == 0, run.stderr
     return run.stdout.splitlines()
 
@@ -206,6 +213,87 @@ def test_entrypoint_takes_environment_and_extra_flags(tmp_path: Path) -> None:
         "--device",
         "cuda",
     ]
+
+
+@pytest.mark.parametrize("role", ["both", "prefill", "decode"])
+def test_entrypoint_gives_a_worker_its_role_model_and_kv_dir(tmp_path: Path, role: str) -> None:
+    env = {"FLASHSERVE_ROLE": role, "FLASHSERVE_MODEL": "/models/m", "FLASHSERVE_KV_DIR": "/kv"}
+    argv = run_entrypoint(tmp_path, ["--device", "cuda"], env)
+    assert argv == [
+        "flashserve",
+        "serve",
+        "--role",
+        role,
+        "--model",
+        "/models/m",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "8000",
+        "--kv-dir",
+        "/kv",
+        "--device",
+        "cuda",
+    ]
+
+
+def test_entrypoint_gives_a_router_its_urls_and_no_model(tmp_path: Path) -> None:
+    env = {
+        "FLASHSERVE_ROLE": "router",
+        # Commas, blanks or both; the image's own FLASHSERVE_MODEL and KV_DIR are ignored.
+        "FLASHSERVE_PREFILL_URL": "http://p0:8000, http://p1:8000",
+        "FLASHSERVE_DECODE_URL": "http://d0:8000 http://d1:8000,http://d2:8000",
+        "FLASHSERVE_MODEL": "tiny",
+        "FLASHSERVE_KV_DIR": "/var/lib/flashserve/kv",
+        "FLASHSERVE_PORT": "9000",
+    }
+    argv = run_entrypoint(tmp_path, ["--prefill-timeout", "30"], env)
+    assert argv == [
+        "flashserve",
+        "serve",
+        "--role",
+        "router",
+        "--prefill-url",
+        "http://p0:8000",
+        "--prefill-url",
+        "http://p1:8000",
+        "--decode-url",
+        "http://d0:8000",
+        "--decode-url",
+        "http://d1:8000",
+        "--decode-url",
+        "http://d2:8000",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "9000",
+        "--prefill-timeout",
+        "30",
+    ]
+
+
+def test_entrypoint_never_globs_a_url(tmp_path: Path) -> None:
+    (tmp_path / "decoy").touch()
+    env = {"FLASHSERVE_ROLE": "router", "FLASHSERVE_PREFILL_URL": "*", "FLASHSERVE_DECODE_URL": "?"}
+    entrypoint(tmp_path, [], {})  # writes the stand-in flashserve
+    run = subprocess.run(
+        ["sh", str(DOCKER / "entrypoint.sh")],
+        cwd=tmp_path,
+        env={"PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin", **env},
+        capture_output=True,
+        text=True,
+        timeout=10,
+    )
+    assert run.returncode == 0, run.stderr
+    argv = run.stdout.splitlines()
+    assert argv[4:8] == ["--prefill-url", "*", "--decode-url", "?"]
+
+
+def test_entrypoint_rejects_an_unknown_role(tmp_path: Path) -> None:
+    run = entrypoint(tmp_path, [], {"FLASHSERVE_ROLE": "decoder"})
+    assert run.returncode != 0
+    assert "FLASHSERVE_ROLE=decoder" in run.stderr
+    assert run.stdout == ""  # flashserve was never started
 
 
 def test_entrypoint_runs_another_command_as_given(tmp_path: Path) -> None:
@@ -262,10 +350,16 @@ def load(path: Path) -> dict:
     return yaml.safe_load(path.read_text())
 
 
+def scrape_jobs() -> dict[str, dict]:
+    return {job["job_name"]: job for job in load(DOCKER / "prometheus.yml")["scrape_configs"]}
+
+
 def test_compose_mounts_exist_and_prometheus_scrapes_the_server() -> None:
     compose = load(DOCKER / "compose.yaml")
     services = compose["services"]
-    assert set(services) == {"flashserve", "prometheus", "grafana"}
+    # `docker compose up` without a profile: the colocated stack alone.
+    default = {name for name, service in services.items() if not service.get("profiles")}
+    assert default == {"flashserve", "prometheus", "grafana"}
     for service in services.values():
         for volume in service.get("volumes", []):
             source = volume.split(":")[0]
@@ -275,13 +369,68 @@ def test_compose_mounts_exist_and_prometheus_scrapes_the_server() -> None:
     assert "8000:8000" in services["flashserve"]["ports"]
 
     prometheus = load(DOCKER / "prometheus.yml")
-    (job,) = prometheus["scrape_configs"]
+    job = scrape_jobs()["flashserve"]
     assert job["metrics_path"] == "/metrics"
     assert job["static_configs"][0]["targets"] == ["flashserve:8000"]
     # The alert rules are mounted where the rule_files glob looks.
     mounts = [v.split(":") for v in services["prometheus"]["volumes"]]
     rules_target = next(t for s, t, *_ in mounts if s.endswith("deploy/prometheus/alerts.yaml"))
     assert any(fnmatch.fnmatch(rules_target, g) for g in prometheus["rule_files"])
+
+
+def split_services() -> dict[str, dict]:
+    services = load(DOCKER / "compose.yaml")["services"]
+    return {n: s for n, s in services.items() if "split" in s.get("profiles", [])}
+
+
+def test_compose_split_profile_shares_one_kv_volume_between_the_workers() -> None:
+    compose = load(DOCKER / "compose.yaml")
+    colocated = compose["services"]["flashserve"]
+    split = split_services()
+    assert set(split) == {"router", "prefill", "decode"}
+    for name, service in split.items():
+        # The same CPU image as the colocated server; the image's health check
+        # (GET /health on FLASHSERVE_PORT, 8000) is left to work for every role.
+        assert (service["build"], service["image"]) == (colocated["build"], colocated["image"])
+        assert service["environment"]["FLASHSERVE_ROLE"] == name
+        assert "healthcheck" not in service and "FLASHSERVE_PORT" not in service["environment"]
+    kv = {name: split[name]["volumes"] for name in ("prefill", "decode")}
+    assert kv["prefill"] == kv["decode"]
+    (volume,) = kv["prefill"]
+    source, target = volume.split(":")
+    assert target == KV_DIR
+    assert source in compose["volumes"]
+    assert f"{source}:{KV_DIR}" not in colocated["volumes"]  # not the colocated server's cache
+    env = {name: s["environment"] for name, s in split.items()}
+    assert env["prefill"]["FLASHSERVE_MODEL"] == env["decode"]["FLASHSERVE_MODEL"]
+    assert len({e["FLASHSERVE_API_KEYS"] for e in env.values()}) == 1
+    # Workers publish nothing; the router is the entry, beside the colocated :8000.
+    assert "ports" not in split["prefill"] and "ports" not in split["decode"]
+    assert split["router"]["ports"] == ["8001:8000"]
+    assert "volumes" not in split["router"] and "FLASHSERVE_MODEL" not in env["router"]
+
+
+def test_compose_router_urls_name_the_worker_services() -> None:
+    split = split_services()
+    router = split["router"]["environment"]
+    for role in ("prefill", "decode"):
+        urls = router[f"FLASHSERVE_{role.upper()}_URL"].replace(",", " ").split()
+        assert urls == [f"http://{role}:8000"]
+        assert role in split["router"]["depends_on"]
+
+
+def test_prometheus_discovers_the_split_services_without_static_targets() -> None:
+    """Without the profile their names do not resolve: no target, so nothing is down."""
+    job = scrape_jobs()["flashserve-split"]
+    assert job["metrics_path"] == "/metrics"
+    assert "static_configs" not in job
+    (sd,) = job["dns_sd_configs"]
+    assert set(sd["names"]) == set(split_services())
+    assert (sd["type"], sd["port"]) == ("A", 8000)
+    for other in scrape_jobs().values():
+        for static in other.get("static_configs", []):
+            hosts = {t.split(":")[0] for t in static["targets"]}
+            assert not hosts & set(split_services()), other["job_name"]
 
 
 def test_grafana_provisioning_finds_the_dashboard_and_datasource() -> None:
