@@ -2,14 +2,16 @@
 
 ``make lint-deploy`` validates the rendered manifests against the Kubernetes
 schemas; these tests check what a schema cannot (probe paths, ports, GPU counts,
-the SSD volume's mount). They need kubectl (or kustomize) to render, and skip
-without it.
+the SSD volume's mount, which pods a Service reaches; for the split overlay,
+the shared volume and the router's URLs). They need kubectl (or kustomize) to
+render, and skip without it.
 """
 
 from __future__ import annotations
 
 import shutil
 import subprocess
+from urllib.parse import urlsplit
 
 import pytest
 import yaml
@@ -26,6 +28,8 @@ pytestmark = pytest.mark.skipif(
 )
 
 OVERLAYS = sorted(p.name for p in (ROOT / "deploy/overlays").iterdir() if p.is_dir())
+KV_DIR = "/var/lib/flashserve/kv"  # the image's VOLUME
+WORKLOAD_KINDS = ("StatefulSet", "Deployment")
 
 
 def render(overlay: str) -> dict[str, dict]:
@@ -46,68 +50,124 @@ def rendered(request: pytest.FixtureRequest) -> tuple[str, dict[str, dict]]:
     return request.param, render(request.param)
 
 
+def container_of(workload: dict) -> dict:
+    (container,) = [
+        c for c in workload["spec"]["template"]["spec"]["containers"] if c["name"] == "flashserve"
+    ]
+    return container
+
+
+def workloads(resources: dict[str, dict]) -> dict[str, dict]:
+    """kind/name -> every StatefulSet and Deployment running flashserve."""
+    return {k: r for k, r in resources.items() if r["kind"] in WORKLOAD_KINDS}
+
+
 def server(resources: dict[str, dict]) -> tuple[dict, dict, dict]:
-    """(StatefulSet, its pod spec, its flashserve container)."""
+    """(StatefulSet, its pod spec, its flashserve container) of a colocated overlay."""
     sts = resources["StatefulSet/flashserve"]
-    pod = sts["spec"]["template"]["spec"]
-    (container,) = [c for c in pod["containers"] if c["name"] == "flashserve"]
-    return sts, pod, container
+    return sts, sts["spec"]["template"]["spec"], container_of(sts)
 
 
-def config(resources: dict[str, dict]) -> dict[str, str]:
-    (cm,) = [r for key, r in resources.items() if key.startswith("ConfigMap/flashserve-config")]
-    return cm["data"]
+def config(resources: dict[str, dict], workload: dict | None = None) -> dict[str, str]:
+    """The environment ConfigMap of ``workload`` (default: the colocated server's)."""
+    if workload is None:
+        (cm,) = [r for k, r in resources.items() if k.startswith("ConfigMap/flashserve-config")]
+        return cm["data"]
+    (ref,) = [
+        e["configMapRef"]["name"] for e in container_of(workload)["envFrom"] if "configMapRef" in e
+    ]
+    return resources[f"ConfigMap/{ref}"]["data"]
 
 
-def test_both_overlays_exist() -> None:
-    assert OVERLAYS == ["cpu-demo", "gpu"]
+def role(resources: dict[str, dict], workload: dict) -> str:
+    return config(resources, workload).get("FLASHSERVE_ROLE", "both")
+
+
+def pod_labels(workload: dict) -> dict[str, str]:
+    return workload["spec"]["template"]["metadata"]["labels"]
+
+
+def selected(resources: dict[str, dict], service: dict) -> list[str]:
+    """The workloads whose pods a Service selects."""
+    selector = service["spec"]["selector"].items()
+    return [k for k, w in workloads(resources).items() if selector <= pod_labels(w).items()]
+
+
+def test_overlays_exist() -> None:
+    assert OVERLAYS == ["cpu-demo", "gpu", "split"]
 
 
 def test_probes_ports_and_scrape_annotations_agree(rendered) -> None:
     _, resources = rendered
-    sts, _, container = server(resources)
-    port = int(config(resources)["FLASHSERVE_PORT"])
-    (http,) = container["ports"]
-    assert (http["name"], http["containerPort"]) == ("http", port)
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert container[probe]["httpGet"] == {"path": "/health", "port": "http"}, probe
-    notes = sts["spec"]["template"]["metadata"]["annotations"]
-    assert notes["prometheus.io/scrape"] == "true"
-    assert notes["prometheus.io/port"] == str(port)
-    assert notes["prometheus.io/path"] == "/metrics"
-    for service in ("Service/flashserve", "Service/flashserve-headless"):
-        svc = resources[service]["spec"]
-        assert svc["ports"][0]["targetPort"] == "http"
-        labels = sts["spec"]["template"]["metadata"]["labels"]
-        assert svc["selector"].items() <= labels.items()
-    assert sts["spec"]["serviceName"] == "flashserve-headless"
-    assert sts["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert workloads(resources)
+    for key, workload in workloads(resources).items():
+        container = container_of(workload)
+        port = int(config(resources, workload)["FLASHSERVE_PORT"])
+        (http,) = container["ports"]
+        assert (http["name"], http["containerPort"]) == ("http", port), key
+        for probe in ("startupProbe", "readinessProbe"):
+            assert container[probe]["httpGet"] == {"path": "/health", "port": "http"}, key
+        liveness = {k: v for k, v in container["livenessProbe"].items() if "Seconds" not in k}
+        liveness.pop("failureThreshold")
+        assert liveness in (
+            {"httpGet": {"path": "/health", "port": "http"}},
+            {"tcpSocket": {"port": "http"}},
+        ), key
+        notes = workload["spec"]["template"]["metadata"]["annotations"]
+        assert notes["prometheus.io/scrape"] == "true"
+        assert notes["prometheus.io/port"] == str(port)
+        assert notes["prometheus.io/path"] == "/metrics"
+        assert workload["spec"]["selector"]["matchLabels"].items() <= pod_labels(workload).items()
+        if workload["kind"] == "StatefulSet":
+            headless = resources[f"Service/{workload['spec']['serviceName']}"]
+            assert headless["spec"]["clusterIP"] == "None"
+            assert selected(resources, headless) == [key]
+
+
+def test_each_service_selects_one_workload_by_its_http_port(rendered) -> None:
+    """A Service over two workloads would send clients to prefill workers (split)."""
+    _, resources = rendered
+    services = [r for r in resources.values() if r["kind"] == "Service"]
+    assert services
+    for service in services:
+        assert len(selected(resources, service)) == 1, service["metadata"]["name"]
+        assert [p["targetPort"] for p in service["spec"]["ports"]] == ["http"]
+    assert "Service/flashserve" in resources  # the public name in every overlay
 
 
 def test_ssd_tier_is_a_persistent_volume_at_the_kv_dir(rendered) -> None:
     _, resources = rendered
-    sts, _, container = server(resources)
-    kv_dir = config(resources)["FLASHSERVE_KV_DIR"]
-    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
-    assert mounts["kv"] == kv_dir == "/var/lib/flashserve/kv"  # the image's VOLUME
-    (claim,) = sts["spec"]["volumeClaimTemplates"]
-    assert claim["metadata"]["name"] == "kv"
-    assert "ReadWriteOnce" in claim["spec"]["accessModes"]
+    for key, workload in workloads(resources).items():
+        if role(resources, workload) == "router":
+            continue  # no kv dir (test_split_router_has_no_gpu_model_or_volume)
+        kv_dir = config(resources, workload)["FLASHSERVE_KV_DIR"]
+        mounts = {m["name"]: m["mountPath"] for m in container_of(workload)["volumeMounts"]}
+        assert mounts["kv"] == kv_dir == KV_DIR, key
+        claims = workload["spec"].get("volumeClaimTemplates")
+        if claims:  # a colocated server: a volume of its own
+            (claim,) = claims
+            assert claim["metadata"]["name"] == "kv"
+            assert "ReadWriteOnce" in claim["spec"]["accessModes"]
+        else:  # a split pool: the shared claim
+            volumes = {v["name"]: v for v in workload["spec"]["template"]["spec"]["volumes"]}
+            name = volumes["kv"]["persistentVolumeClaim"]["claimName"]
+            assert f"PersistentVolumeClaim/{name}" in resources, key
 
 
 def test_runs_as_the_image_user_with_a_read_only_root(rendered) -> None:
     _, resources = rendered
-    _, pod, container = server(resources)
     dockerfile = (ROOT / "docker/Dockerfile").read_text()
     assert "USER 10001:10001" in dockerfile
-    ctx = pod["securityContext"]
-    assert ctx["runAsNonRoot"] is True
-    assert (ctx["runAsUser"], ctx["runAsGroup"], ctx["fsGroup"]) == (10001, 10001, 10001)
-    assert container["securityContext"]["readOnlyRootFilesystem"] is True
-    mounts = {m["mountPath"] for m in container["volumeMounts"]}
-    # The writable places under the read-only root (Triton cache via XDG, /tmp).
-    assert {"/var/lib/flashserve/.cache", "/tmp"} <= mounts
     assert "XDG_CACHE_HOME=/var/lib/flashserve/.cache" in dockerfile
+    for key, workload in workloads(resources).items():
+        pod, container = workload["spec"]["template"]["spec"], container_of(workload)
+        ctx = pod["securityContext"]
+        assert ctx["runAsNonRoot"] is True, key
+        assert (ctx["runAsUser"], ctx["runAsGroup"], ctx["fsGroup"]) == (10001, 10001, 10001)
+        assert container["securityContext"]["readOnlyRootFilesystem"] is True, key
+        mounts = {m["mountPath"] for m in container["volumeMounts"]}
+        # The writable places under the read-only root (Triton cache via XDG, /tmp).
+        assert {"/var/lib/flashserve/.cache", "/tmp"} <= mounts, key
 
 
 def test_cpu_demo_needs_no_gpu_and_serves_tiny() -> None:
@@ -133,3 +193,116 @@ def test_gpu_overlay_takes_eight_gpus_shared_memory_and_weights() -> None:
     assert container["image"].endswith("-cuda")
     claim = sts["spec"]["volumeClaimTemplates"][0]["spec"]
     assert claim["storageClassName"] == "local-nvme"
+
+
+# ------------------------------------------------------------------ split
+
+
+@pytest.fixture(scope="module")
+def split() -> dict[str, dict]:
+    return render("split")
+
+
+def by_role(resources: dict[str, dict]) -> dict[str, dict]:
+    out = {role(resources, w): w for w in workloads(resources).values()}
+    assert len(out) == len(workloads(resources))
+    return out
+
+
+def test_split_has_a_prefill_pool_a_decode_pool_and_a_router(split) -> None:
+    roles = by_role(split)
+    assert set(roles) == {"prefill", "decode", "router"}
+    assert roles["prefill"]["kind"] == roles["decode"]["kind"] == "StatefulSet"
+    assert roles["router"]["kind"] == "Deployment"
+    # One image for all three: router and workers move to a new version together.
+    assert len({container_of(w)["image"] for w in roles.values()}) == 1
+
+
+def test_split_pools_share_one_read_write_many_claim(split) -> None:
+    roles = by_role(split)
+    claims = set()
+    for pool in ("prefill", "decode"):
+        spec = roles[pool]["spec"]
+        assert "volumeClaimTemplates" not in spec, pool
+        volumes = {v["name"]: v for v in spec["template"]["spec"]["volumes"]}
+        claims.add(volumes["kv"]["persistentVolumeClaim"]["claimName"])
+    (claim,) = claims
+    pvc = split[f"PersistentVolumeClaim/{claim}"]["spec"]
+    assert pvc["accessModes"] == ["ReadWriteMany"]
+    assert pvc["storageClassName"]  # an RWX class: the cluster default rarely is one
+    # The same path on both pools (page files are found by name under it).
+    assert {config(split, roles[p])["FLASHSERVE_KV_DIR"] for p in ("prefill", "decode")} == {KV_DIR}
+
+
+def test_split_pools_are_the_gpu_overlays_pod_with_a_role(split) -> None:
+    gpu = render("gpu")
+    _, gpu_pod, gpu_container = server(gpu)
+    roles = by_role(split)
+    for pool in ("prefill", "decode"):
+        pod = roles[pool]["spec"]["template"]["spec"]
+        container = container_of(roles[pool])
+        assert container["resources"] == gpu_container["resources"], pool
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == "8"
+        assert container["args"] == gpu_container["args"]
+        assert pod["tolerations"] == gpu_pod["tolerations"]
+        mounts = {m["mountPath"] for m in container["volumeMounts"]}
+        assert {"/dev/shm", "/models"} <= mounts
+        env = config(split, roles[pool])
+        assert env["FLASHSERVE_MODEL"] == config(gpu)["FLASHSERVE_MODEL"]
+    # The same model on both pools, or no page hash matches.
+    assert (
+        config(split, roles["prefill"])["FLASHSERVE_MODEL"]
+        == config(split, roles["decode"])["FLASHSERVE_MODEL"]
+    )
+
+
+def test_split_router_has_no_gpu_model_or_volume(split) -> None:
+    router = by_role(split)["router"]
+    container = container_of(router)
+    assert "nvidia.com/gpu" not in yaml.safe_dump(router)
+    assert "tolerations" not in router["spec"]["template"]["spec"]
+    env = config(split, router)
+    assert "FLASHSERVE_MODEL" not in env and "FLASHSERVE_KV_DIR" not in env
+    assert "kv" not in {m["name"] for m in container["volumeMounts"]}
+    # The image's entry point with no args: the CUDA image's --device cuda is dropped.
+    dockerfile = (ROOT / "docker/Dockerfile").read_text()
+    assert f'ENTRYPOINT ["{container["command"][0]}"]' in dockerfile
+    assert container["command"] == ["/usr/local/bin/flashserve-entrypoint"]
+    assert "args" not in container
+    # Not restarted when the decode pool is down (its /health says so).
+    assert "tcpSocket" in container["livenessProbe"]
+
+
+def test_split_router_urls_name_the_pools_services(split) -> None:
+    roles = by_role(split)
+    env = config(split, roles["router"])
+    for pool in ("prefill", "decode"):
+        urls = env[f"FLASHSERVE_{pool.upper()}_URL"].replace(",", " ").split()
+        assert urls, pool
+        for url in urls:
+            parsed = urlsplit(url)
+            assert parsed.scheme == "http"
+            service = split[f"Service/{parsed.hostname}"]
+            assert parsed.port in [p["port"] for p in service["spec"]["ports"]]
+            (target,) = selected(split, service)
+            assert role(split, split[target]) == pool, url
+    # The public Service reaches routers only.
+    (public,) = selected(split, split["Service/flashserve"])
+    assert role(split, split[public]) == "router"
+
+
+def test_split_gives_every_role_the_same_api_keys(split) -> None:
+    secrets = {
+        tuple(e["secretRef"]["name"] for e in container_of(w)["envFrom"] if "secretRef" in e)
+        for w in workloads(split).values()
+    }
+    assert secrets == {("flashserve-api-keys",)}
+
+
+def test_split_replicas_name_rendered_workloads() -> None:
+    """Each pool and the router scale by the overlay's `replicas` (kustomize edit set replicas)."""
+    kustomization = yaml.safe_load((ROOT / "deploy/overlays/split/kustomization.yaml").read_text())
+    names = {w["metadata"]["name"]: w for w in workloads(render("split")).values()}
+    for entry in kustomization["replicas"]:
+        assert names[entry["name"]]["spec"]["replicas"] == entry["count"], entry
+    assert {e["name"] for e in kustomization["replicas"]} == set(names)
