@@ -12,6 +12,7 @@ import yaml
 
 from engine.llm_engine import EngineCounters, EngineStats
 from kvstore.stats import KVStats, SSDStats
+from server.disagg_metrics import FALLBACK_REASONS, Role
 from server.metrics import ServerMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,9 +24,13 @@ ALERTS_TEST = ROOT / "deploy/prometheus/alerts_test.yaml"
 METRIC = re.compile(r"flashserve:[A-Za-z0-9_:]+")
 
 
-def exercised_scrape() -> str:
-    """Text exposition of a ``ServerMetrics`` whose every metric has been set once."""
-    m = ServerMetrics("deepseek-flash")
+def exercised_scrape(role: Role = "both") -> str:
+    """Text exposition of a ``ServerMetrics`` whose every metric has been set once.
+
+    Every role exposes the split-deployment families; a router has no engine
+    metrics (its ``set_engine_stats`` feeds nothing).
+    """
+    m = ServerMetrics("deepseek-flash", role=role)
     m.observe_request(arrival=0.0, first_scheduled=0.2, token_times=[0.9, 0.95, 1.0], finished=1.1)
     kv = KVStats(
         page_tokens=64,
@@ -45,6 +50,14 @@ def exercised_scrape() -> str:
         finished={"stop": 1, "length": 1, "abort": 1},
     )
     m.set_engine_stats(EngineStats(running=1, waiting=1, preemptions=1, kv=kv, counters=counters))
+    disagg = m.disagg
+    disagg.prefill_seconds.observe(0.4)
+    for reason in FALLBACK_REASONS:
+        disagg.fallback(reason)
+    disagg.published_pages.inc(4)
+    disagg.published_bytes.inc(4 * 34_816)
+    disagg.handover_seconds.observe(0.02)
+    disagg.handover_bytes.observe(4 * 34_816)
     return m.render().decode()
 
 

@@ -5,15 +5,21 @@ from __future__ import annotations
 import json
 import re
 
+import pytest
+import yaml
 from deploy_helpers import (
+    ALERTS_TEST,
     DASHBOARD,
     METRIC,
     ROOT,
     alert_rules,
     alert_test_series,
     dashboard_queries,
+    exercised_scrape,
 )
 from prometheus_client.parser import text_string_to_metric_families
+
+from server.disagg_metrics import ROLES
 
 
 def exposed_names(scrape: str) -> set[str]:
@@ -91,6 +97,56 @@ def test_dashboard_shows_what_the_issue_asks_for() -> None:
     )
 
 
+def row_queries(title: str) -> list[str]:
+    """PromQL of the panels between the row ``title`` and the next row (by grid position)."""
+    panels = json.loads(DASHBOARD.read_text())["panels"]
+    rows = sorted(p["gridPos"]["y"] for p in panels if p["type"] == "row")
+    (top,) = [p["gridPos"]["y"] for p in panels if p["type"] == "row" and p["title"] == title]
+    bottom = next((y for y in rows if y > top), float("inf"))
+    return [
+        t["expr"]
+        for p in panels
+        if p["type"] != "row" and top < p["gridPos"]["y"] < bottom
+        for t in p["targets"]
+    ]
+
+
+def test_dashboard_shows_disaggregated_serving() -> None:
+    """The split-deployment row: handover latency and bytes, fallbacks, prefill calls,
+    publishing."""
+    exprs = row_queries("Disaggregated serving")
+    joined = "\n".join(exprs)
+    for q in ("0.5", "0.99"):
+        assert re.search(
+            rf"histogram_quantile\({q}, .*flashserve:disagg_handover_seconds_bucket", joined
+        ), q
+    assert re.search(
+        r"histogram_quantile\(0\.99, .*flashserve:disagg_prefill_seconds_bucket", joined
+    )
+    # Bytes per handed-over prompt: rate of the sum over rate of the count.
+    per_prompt = (
+        r"rate\(flashserve:disagg_handover_bytes_sum.*\) / "
+        r".*rate\(flashserve:disagg_handover_bytes_count"
+    )
+    assert any(re.search(per_prompt, e) for e in exprs)
+    # Fallbacks kept apart by reason, as a rate.
+    assert re.search(
+        r"sum by \([^)]*reason[^)]*\) \(rate\(flashserve:disagg_fallbacks_total", joined
+    )
+    assert "rate(flashserve:disagg_published_bytes_total" in joined
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_disaggregated_row_works_on_every_role(role: str) -> None:
+    """Every role exposes the row's metrics, a router too, which has no engine metrics."""
+    exposed = exposed_names(exercised_scrape(role))
+    for expr in row_queries("Disaggregated serving"):
+        used = set(METRIC.findall(expr))
+        assert used <= exposed, f"{role}: not exposed: {sorted(used - exposed)}"
+    if role == "router":
+        assert "flashserve:num_requests_running" not in exposed  # as docs/metrics.md says
+
+
 def test_alerts_cover_what_the_issue_asks_for() -> None:
     rules = {rule["alert"]: rule["expr"] for rule in alert_rules()}
     for alert, metric in {
@@ -99,8 +155,20 @@ def test_alerts_cover_what_the_issue_asks_for() -> None:
         "FlashserveSSDWriteErrors": "kv_ssd_write_errors_total",
         "FlashserveSSDChecksumFailuresRising": "kv_ssd_checksum_failures_total",
         "FlashserveNoSuccessfulRequests": "request_success_total",
+        "FlashserveDisaggFallbacks": "disagg_fallbacks_total",
     }.items():
         assert f"flashserve:{metric}" in rules[alert], alert
+
+
+def test_every_alert_has_a_unit_test_where_it_fires() -> None:
+    tests = yaml.safe_load(ALERTS_TEST.read_text())["tests"]
+    fired = {
+        case["alertname"]
+        for test in tests
+        for case in test["alert_rule_test"]
+        if case.get("exp_alerts")
+    }
+    assert {rule["alert"] for rule in alert_rules()} <= fired
 
 
 def test_docs_list_exactly_the_exposed_families(scrape: str) -> None:
