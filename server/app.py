@@ -24,11 +24,11 @@ from engine.async_engine import AsyncEngine
 from server.auth import api_key_dependency
 from server.body_limit import BodySizeLimit
 from server.error_handlers import install_error_handlers
-from server.errors import APIError, unavailable
+from server.errors import unavailable
 from server.generation import Admission, ServingContext
 from server.logprobs import TokenTexts
 from server.metrics import CONTENT_TYPE, ServerMetrics
-from server.model_names import model_ids
+from server.model_routes import add_model_routes
 from server.prefill_worker import add_prefill_routes
 from server.protocol import (
     ChatCompletion,
@@ -36,8 +36,6 @@ from server.protocol import (
     Completion,
     CompletionRequest,
     ErrorResponse,
-    ModelCard,
-    ModelList,
 )
 from server.serving_chat import create_chat_completion
 from server.serving_completions import create_completion
@@ -173,18 +171,4 @@ def _add_api_routes(app: FastAPI, ctx: ServingContext, auth: Callable[..., Any])
             include_in_schema=operation_id is not None,
         )
 
-    async def list_models(_: Annotated[str | None, Depends(auth)]) -> ModelList:
-        return ModelList(
-            data=[ModelCard(id=name) for name in model_ids(settings.served_model_name)]
-        )
-
-    async def retrieve_model(model: str, _: Annotated[str | None, Depends(auth)]) -> ModelCard:
-        if model not in model_ids(settings.served_model_name):
-            raise APIError(404, "Model Not Exist", param="model")
-        return ModelCard(id=model)
-
-    for path, schema in (("/v1/models", True), ("/models", False)):
-        app.add_api_route(
-            path, list_models, methods=["GET"], responses=_ERRORS, include_in_schema=schema
-        )
-    app.add_api_route("/v1/models/{model}", retrieve_model, methods=["GET"], responses=_ERRORS)
+    add_model_routes(app, settings.served_model_name, auth, _ERRORS)

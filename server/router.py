@@ -40,12 +40,11 @@ from pydantic import ValidationError
 from server.auth import api_key_dependency
 from server.body_limit import BodySizeLimit
 from server.error_handlers import install_error_handlers
-from server.errors import APIError, server_error, unavailable
+from server.errors import server_error, unavailable
 from server.handover import HANDOVER_HEADER, PREFILL_ROUTES, Handover
 from server.metrics import CONTENT_TYPE, ServerMetrics
-from server.model_names import model_ids
+from server.model_routes import add_model_routes
 from server.prefill_worker import PrefillResponse
-from server.protocol import ModelCard, ModelList
 from server.settings import ServerSettings
 from server.sse import DONE, MEDIA_TYPE, WatchedStreamingResponse, event
 
@@ -189,19 +188,7 @@ def create_router_app(
     for path in PREFILL_ROUTES:
         app.add_api_route(path, proxy, methods=["POST"], response_model=None)
 
-    async def list_models(_: Annotated[str | None, Depends(auth)]) -> ModelList:
-        return ModelList(
-            data=[ModelCard(id=name) for name in model_ids(settings.served_model_name)]
-        )
-
-    async def retrieve_model(model: str, _: Annotated[str | None, Depends(auth)]) -> ModelCard:
-        if model not in model_ids(settings.served_model_name):
-            raise APIError(404, "Model Not Exist", param="model")
-        return ModelCard(id=model)
-
-    for path in ("/v1/models", "/models"):
-        app.add_api_route(path, list_models, methods=["GET"])
-    app.add_api_route("/v1/models/{model}", retrieve_model, methods=["GET"])
+    add_model_routes(app, settings.served_model_name, auth)
 
     @app.get("/health")
     async def health() -> dict[str, str | int]:

@@ -34,9 +34,13 @@ class ServerSpec:
     model: str = "tiny"
     args: list[str] = field(default_factory=list)
     ssd: bool = True  # pass a fresh temporary --kv-dir
+    # Run under a wrapper (``taskset -c 0`` pins a server to cores), with extra
+    # environment (``OMP_NUM_THREADS``): bench/disagg.py splits cores this way.
+    wrapper: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
 
     def command(self, port: int, kv_dir: Path | None) -> list[str]:
-        cmd = [sys.executable, "-c", _MAIN, "serve", "--model", self.model]
+        cmd = [*self.wrapper, sys.executable, "-c", _MAIN, "serve", "--model", self.model]
         cmd += ["--host", HOST, "--port", str(port)]
         if kv_dir is not None:
             cmd += ["--kv-dir", str(kv_dir)]
@@ -73,6 +77,7 @@ class LaunchedServer:
         self.command = self.spec.command(self.port, self.kv_dir)
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+        env.update(self.spec.env)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
