@@ -225,10 +225,14 @@ def _table(summary: dict[str, Any]) -> str:
         s = summary[key]
         per_round = " / ".join(f"{r:.2f}" for r in s["ratio_per_round"] if r is not None)
         lines.append(
-            f"| {label} | {s['colocated_median']:.3g} | {s['split_median']:.3g} | {per_round} | "
+            f"| {label} | {_fmt(s['colocated_median'])} | {_fmt(s['split_median'])} | {per_round} | "
             f"{s['ratio_median']:.2f} |"
         )
     return "\n".join(lines)
+
+
+def _fmt(x: float) -> str:
+    return f"{x:,.0f}" if abs(x) >= 100 else f"{x:.3g}"
 
 
 if __name__ == "__main__":

@@ -92,11 +92,17 @@ class AsyncEngine:
         model: str | Path = "tiny",
         *,
         engine: LLMEngine | None = None,
+        encoder_only: bool = False,
     ) -> None:
         """Load ``model`` ("tiny" = a seeded random tiny model, or a checkpoint
-        directory) and start the engine thread. ``engine``: use a prebuilt engine."""
+        directory) and start the engine thread. ``engine``: use a prebuilt engine.
+        ``encoder_only``: a prefill worker's engine (see ``build_engine``)."""
         self.config = engine_config
-        self.engine = engine if engine is not None else build_engine(engine_config, model)
+        self.engine = (
+            engine
+            if engine is not None
+            else build_engine(engine_config, model, encoder_only=encoder_only)
+        )
         self._inbox: queue.Queue[_Add | _Abort | None] = queue.Queue()
         self._streams: dict[str, _Stream] = {}  # engine thread only
         self._active: set[str] = set()  # request ids between generate() and their end
@@ -277,20 +283,27 @@ class AsyncEngine:
 # ---------------------------------------------------------------- building
 
 
-def build_engine(config: EngineConfig, model: str | Path) -> LLMEngine:
+def build_engine(
+    config: EngineConfig, model: str | Path, *, encoder_only: bool = False
+) -> LLMEngine:
     """Model, tokenizer and engine for ``model`` ("tiny" or a checkpoint directory).
 
     A checkpoint's own ``tokenizer.json`` wins (``load_checkpoint`` then sets
     Engram's token classes from it); otherwise the packaged tokenizer serves
-    both the text and the classes.
+    both the text and the classes. ``encoder_only``: a prefill worker's engine,
+    without the decoder layers (it runs prefill-only requests only).
     """
     from engine.checkpoint import load_checkpoint, set_engram_vocab
 
     if str(model) == "tiny":
         net, model_id, own_tokenizer = _tiny_model(config), f"tiny-random-seed{config.seed}", None
+        if encoder_only:
+            net.drop_decoder_layers()
     else:
         path = Path(model)
-        _, net = load_checkpoint(path, dtype=config.torch_dtype, device=config.device)
+        _, net = load_checkpoint(
+            path, dtype=config.torch_dtype, device=config.device, encoder_only=encoder_only
+        )
         model_id = checkpoint_fingerprint(path)
         own_tokenizer = path / TOKENIZER_FILE if (path / TOKENIZER_FILE).is_file() else None
     if config.torch_dtype == torch.float64:

@@ -14,7 +14,7 @@ import json
 import logging
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from enum import StrEnum
@@ -225,13 +225,18 @@ def _check(name: str, found: tuple[int, ...], expected: tuple[int, ...], what: s
 
 
 def _plan(
-    targets: dict[str, torch.Tensor], files: dict[str, Path], shards: _Shards
+    targets: dict[str, torch.Tensor],
+    files: dict[str, Path],
+    shards: _Shards,
+    also_skip: Callable[[str], str | None] | None = None,
 ) -> tuple[list[_Entry], dict[str, int]]:
-    """Validate names, dtypes and shapes from headers before any data is read."""
+    """Validate names, dtypes and shapes from headers before any data is read.
+
+    ``also_skip``: the kind of a tensor this load leaves out on purpose, or None."""
     skipped: dict[str, int] = {}
     loadable = set()
     for name in files:
-        kind = skipped_kind(name)
+        kind = skipped_kind(name) or (also_skip(name) if also_skip else None)
         if kind is None:
             loadable.add(name)
         else:
@@ -369,16 +374,31 @@ def set_engram_vocab(model: DeepseekV41, config: ModelConfig, tokenizer_file: Pa
 
 
 def load_checkpoint(
-    path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    path: str | Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    encoder_only: bool = False,
 ) -> tuple[ModelConfig, DeepseekV41]:
-    """Read ``config.json``, the weights and the Engram vocabulary of ``path`` into a model."""
+    """Read ``config.json``, the weights and the Engram vocabulary of ``path`` into a model.
+
+    ``encoder_only`` (a prefill worker): layers past the CED boundary are neither
+    allocated nor read (``DeepseekV41.drop_decoder_layers``)."""
     path = Path(path)
     config = ModelConfig.from_json(path / "config.json")
     files = weight_map(path)
     model = empty_model(config, dtype=dtype, device=device)
+    decoder: tuple[str, ...] = ()
+    if encoder_only:
+        model.drop_decoder_layers()
+        decoder = tuple(f"layers.{l}." for l in range(len(model.layers), config.num_hidden_layers))
+
+    def decoder_layer(name: str) -> str | None:
+        return "decoder-layer" if decoder and name.startswith(decoder) else None
+
     targets = model.state_dict(keep_vars=True)
     with _Shards(files) as shards, torch.no_grad():
-        entries, skipped = _plan(targets, files, shards)
+        entries, skipped = _plan(targets, files, shards, decoder_layer)
         for entry in entries:
             target = targets[entry.name]
             weight = shards.read(entry.name)

@@ -106,8 +106,11 @@ class LLMEngine:
         tokenizer: Tokenizer | None = None,
         eos_token_id: int | None = EOS_TOKEN_ID,
         clock: Callable[[], float] = time.monotonic,
+        encoder_only: bool = False,
     ) -> None:
         self.config = config
+        # A prefill worker's model has no decoder layers: only prefill-only requests run.
+        self.encoder_only = encoder_only
         self.runner = runner
         self.kv = kv
         self.tokenizer = tokenizer
@@ -163,12 +166,18 @@ class LLMEngine:
             max_position_embeddings=mc.max_position_embeddings,
             tokenizer=tokenizer,
             eos_token_id=eos_token_id,
+            encoder_only=model.encoder_only,
         )
 
     # ------------------------------------------------------------ requests
     def validate(self, request: Request) -> None:
         """Raise ``ValueError`` if ``request`` can never run; reads configuration only."""
         params = request.sampling_params
+        if self.encoder_only and not request.prefill_only:
+            raise ValueError(
+                "this engine holds the encoder layers only (a prefill worker): "
+                "it runs prefill-only requests"
+            )
         params.validate(self.vocab_size)
         prompt = request.prompt_token_ids
         if not prompt:

@@ -95,6 +95,8 @@ class PagedModelRunner:
         ]
         if not segments:
             return {}
+        if self.model.encoder_only and not all(s.seq.prefill_only for s in segments):
+            raise RuntimeError("an encoder-only model cannot run decoder rows")
         for seg in segments:
             if seg.seq.seq_id not in self._has_state:
                 self.states.allocate(seg.seq.seq_id)

@@ -261,7 +261,8 @@ def run(args: argparse.Namespace) -> int:
         f"loading checkpoint {path} ({weights / 2**20:.1f} MiB) on {config.device}, {config.dtype}"
     )
     with _Heartbeat("loading the checkpoint", started):
-        engine = AsyncEngine(config, path)
+        # A prefill worker never runs the decoder layers: it does not load them.
+        engine = AsyncEngine(config, path, encoder_only=args.role == "prefill")
     fingerprint = "fp_" + checkpoint_fingerprint(path)[:10]
     _say(f"engine ready in {time.monotonic() - started:.1f} s")
     # uvicorn stops gracefully on SIGINT/SIGTERM, then re-raises the signal. SIGTERM's

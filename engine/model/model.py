@@ -36,6 +36,20 @@ class DeepseekV41(nn.Module):
             "engram_vocab_map", torch.zeros(config.vocab_size, dtype=torch.long), persistent=False
         )
 
+    @property
+    def encoder_only(self) -> bool:
+        """True once ``drop_decoder_layers`` ran: only prefill-only work can run."""
+        return len(self.layers) < self.config.num_hidden_layers
+
+    def drop_decoder_layers(self) -> None:
+        """Keep layers ``[0, B]`` (B = the CED boundary) and free the rest.
+
+        A prefill worker runs the encoder path only (the encoder layers and
+        layer B's KV writes); the decoder layers hold about half of the
+        weights and are never read there. The final norm and head stay (small).
+        """
+        self.layers = self.layers[: self.config.ced_boundary + 1]
+
     def set_compressed_vocab(self, vocab_map: torch.Tensor) -> None:
         if vocab_map.shape != (self.config.vocab_size,):
             raise ValueError(

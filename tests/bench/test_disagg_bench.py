@@ -37,6 +37,7 @@ def test_summary_takes_ratios_per_round_and_their_median() -> None:
     assert s["request_throughput"]["ratio_median"] == pytest.approx(1.2)
     table = disagg._table(s)
     assert "| mean TTFT (ms) | 200 | 200 | 0.50 / 1.50 / 0.50 | 0.50 |" in table
+    assert "| requests/s | 1 | 1.2 | 1.50 / 0.50 / 1.20 | 1.20 |" in table
 
 
 def test_handover_reads_the_decode_and_router_metrics(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -192,6 +192,7 @@ def reference_engine(
         vocab_size=model.config.vocab_size,
         sliding_window=model.config.sliding_window,
         max_position_embeddings=model.config.max_position_embeddings,
+        encoder_only=model.encoder_only,
     )
     return engine, runner
 

@@ -327,6 +327,35 @@ def test_skips_dspark_and_vision_and_accepts_plain_exports(
     assert torch.equal(model.state_dict()["head.weight"], loaded.state_dict()["head.weight"])
 
 
+def test_encoder_only_load_reads_no_decoder_layer(
+    tiny_dir: Path, loaded: DeepseekV41, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A prefill worker's model: layers [0, B] and the rest of the model, as loaded in full."""
+    with caplog.at_level(logging.INFO, logger="engine.checkpoint"):
+        _, model = load_checkpoint(tiny_dir, encoder_only=True)
+    boundary = model.config.ced_boundary
+    assert model.encoder_only and not loaded.encoder_only
+    assert len(model.layers) == boundary + 1 < len(loaded.layers)
+    full = loaded.state_dict()
+    kept = model.state_dict()
+    assert set(kept) == {n for n in full if not _past(n, boundary)}
+    for name, value in kept.items():
+        assert torch.equal(value, full[name]), name
+    decoder = sum(1 for n in full if _past(n, boundary))
+    scales = sum(
+        1 for n in full if _past(n, boundary) and weight_format(n) and weight_format(n).quantised
+    )
+    assert any(f"{decoder + scales} decoder-layer" in r.getMessage() for r in caplog.records)
+    dropped = sum(p.numel() for layer in loaded.layers[boundary + 1 :] for p in layer.parameters())
+    assert dropped > 0
+    total = sum(p.numel() for p in loaded.parameters())
+    assert sum(p.numel() for p in model.parameters()) == total - dropped
+
+
+def _past(name: str, boundary: int) -> bool:
+    return name.startswith("layers.") and int(name.split(".")[1]) > boundary
+
+
 # ------------------------------------------------------------- tokenizer
 
 

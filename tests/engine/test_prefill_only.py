@@ -10,7 +10,9 @@ reference restored from pages written by a forward over those full pages
 from __future__ import annotations
 
 import asyncio
+import copy
 
+import pytest
 import torch
 from engine_helpers import (
     W,
@@ -73,8 +75,8 @@ def test_prefill_only_then_decode_equals_a_restore_of_its_pages(flavour, tmp_pat
     assert (admission.stored_tokens, admission.encoder_start) == (40, 40 - W)
 
 
-def test_a_fully_cached_prompt_runs_no_row(tmp_path):
-    engine, runner = fake_engine()
+def test_a_fully_cached_prompt_runs_no_row():
+    engine, _ = fake_engine()
     tokens = _small(24, 3)
     engine.add_request(_prefill_only("a", tokens))
     first = run_to_completion(engine)["a"][-1]
@@ -134,3 +136,20 @@ def test_async_prefill_reports_published_bytes(engine_model, tmp_path):
     assert result.page_file_bytes > layout.page_bytes
     assert [f.stat().st_size for f in files] == [result.page_file_bytes] * 2
     assert result.published_bytes == 2 * result.page_file_bytes
+
+
+def test_an_encoder_only_model_writes_the_same_pages(engine_model64):
+    """A prefill worker loads layers [0, B] only; its pages equal the full model's."""
+    encoder = copy.deepcopy(engine_model64)
+    encoder.drop_decoder_layers()
+    tokens = prompt(45, 11)
+    pages = []
+    for model in (engine_model64, encoder):
+        engine, _ = reference_engine(model, runner="paged")
+        engine.add_request(_prefill_only("p", tokens))
+        (out,) = run_to_completion(engine)["p"]
+        ids = [engine.kv.pool.lookup(h) for h in out.published_pages]
+        pages.append(engine.kv.memory.pages[torch.tensor(ids)])
+    assert len(ids) == 5 and torch.equal(pages[0], pages[1])
+    with pytest.raises(ValueError, match="prefill worker"):
+        engine.add_request(Request("n", tokens, greedy(1)))
