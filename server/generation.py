@@ -229,7 +229,11 @@ class Generation:
             if call.prompt_group not in groups:
                 groups.add(call.prompt_group)
                 prompt += u.prompt_tokens
-                cached += u.prompt_cache_hit_tokens
+                hit = u.prompt_cache_hit_tokens
+                if self._handover is not None:  # pages a prefill worker computed are no hit
+                    page_tokens = self._ctx.engine.stats().kv.page_tokens
+                    hit = self._handover.cached_tokens(call.prompt_group, hit, page_tokens)
+                cached += hit
         return ApiUsage.build(prompt, completion, cached, min(reasoning_tokens, completion))
 
     async def close(self) -> None:

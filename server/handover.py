@@ -3,8 +3,10 @@
 The KV bytes themselves never travel over HTTP: they are page files in the
 shared SSD tier, keyed by the prefix-cache hash chain, so the decode worker
 finds them by its own lookup. The header only carries what the decode worker
-cannot know: how many pages were published per prompt (to detect a fallback)
-and when they became durable (to time the handover).
+cannot know: how many pages were published per prompt (to detect a fallback),
+how many of those the prefill worker found cached rather than computed (so the
+client's usage counts as cache hits only tokens nobody computed for it, as a
+colocated server would), and when they became durable (to time the handover).
 """
 
 from __future__ import annotations
@@ -32,9 +34,18 @@ class Handover:
 
     pages: tuple[int, ...]
     published_at: float  # time.time() on the prefill worker once the pages were durable
+    # Per prompt: tokens the prefill worker found in its cache (it computed the rest
+    # of the published pages for this request).
+    hit_tokens: tuple[int, ...] = ()
 
     def header(self) -> str:
-        return json.dumps({"pages": list(self.pages), "published_at": self.published_at})
+        return json.dumps(
+            {
+                "pages": list(self.pages),
+                "hit_tokens": list(self.hit_tokens),
+                "published_at": self.published_at,
+            }
+        )
 
     @classmethod
     def parse(cls, value: str | None) -> Handover | None:
@@ -45,12 +56,21 @@ class Handover:
         try:
             raw = json.loads(value)
             pages = tuple(int(p) for p in raw["pages"])
+            hits = tuple(int(h) for h in raw.get("hit_tokens", ()))
             published_at = float(raw["published_at"])
-        except (ValueError, TypeError, KeyError):
+        except (ValueError, TypeError, KeyError, AttributeError):
             return None
-        if any(p < 0 for p in pages) or not math.isfinite(published_at):
+        if any(n < 0 for n in pages + hits) or not math.isfinite(published_at):
             return None
-        return cls(pages, published_at)
+        return cls(pages, published_at, hits)
 
     def pages_for(self, prompt_group: int) -> int:
         return self.pages[prompt_group] if prompt_group < len(self.pages) else 0
+
+    def cached_tokens(self, prompt_group: int, restored_tokens: int, page_tokens: int) -> int:
+        """Prompt tokens nobody computed for this request, of the ``restored_tokens`` the
+        decode worker found cached: minus those the prefill worker computed for it
+        (published tokens past its own cache hit)."""
+        published = self.pages_for(prompt_group) * page_tokens
+        hit = self.hit_tokens[prompt_group] if prompt_group < len(self.hit_tokens) else 0
+        return restored_tokens - max(0, min(restored_tokens, published) - hit)

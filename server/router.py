@@ -147,7 +147,8 @@ def create_router_app(
                 metrics.disagg.fallback("prefill_error")
                 return None
             pages = tuple(p.published_pages for p in published.prompts)
-            return Handover(pages, published.published_at)
+            hits = tuple(p.hit_tokens for p in published.prompts)
+            return Handover(pages, published.published_at, hits)
         if reply.status_code >= 500 or reply.status_code == 429:
             logger.warning("prefill worker %s answered %d", url, reply.status_code)
             metrics.disagg.fallback("prefill_error")

@@ -8,9 +8,29 @@ from server.handover import PREFILL_ROUTES, Handover
 
 
 def test_round_trip() -> None:
-    h = Handover((4, 0, 7), 1795948721.25)
+    h = Handover((4, 0, 7), 1795948721.25, (128, 0, 64))
     assert Handover.parse(h.header()) == h
     assert (h.pages_for(2), h.pages_for(3)) == (7, 0)  # a group the router did not report
+    assert Handover.parse('{"pages": [2], "published_at": 5}') == Handover((2,), 5.0, ())
+
+
+@pytest.mark.parametrize(
+    ("pages", "prefill_hit", "restored", "cached"),
+    [
+        (4, 0, 256, 0),  # a new prompt: the prefill worker computed every restored page
+        (4, 256, 256, 256),  # both workers had it: nothing computed, all cached
+        (4, 128, 256, 128),  # the prefill worker computed pages 2 and 3
+        (4, 128, 192, 128),  # the decode worker kept its last token's page to compute
+        (4, 0, 384, 128),  # pages 4 and 5 were in the decode worker's own cache
+        (0, 0, 192, 192),  # nothing published (a fallback): the decode worker's own hits
+        (4, 0, 64, 0),  # a missing page cut the restore short
+    ],
+)
+def test_cached_tokens_leave_out_what_the_prefill_worker_computed(
+    pages: int, prefill_hit: int, restored: int, cached: int
+) -> None:
+    h = Handover((pages,), 0.0, (prefill_hit,))
+    assert h.cached_tokens(0, restored, page_tokens=64) == cached
 
 
 @pytest.mark.parametrize(
@@ -26,6 +46,8 @@ def test_round_trip() -> None:
         '{"pages": ["x"], "published_at": 1}',
         '{"pages": [1], "published_at": "NaN"}',
         '{"pages": [1], "published_at": Infinity}',
+        '{"pages": [1], "hit_tokens": [-5], "published_at": 1}',
+        '{"pages": [1], "hit_tokens": 3, "published_at": 1}',
     ],
 )
 def test_a_malformed_header_is_no_handover(value: str | None) -> None:

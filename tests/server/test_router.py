@@ -79,7 +79,7 @@ def test_prefill_then_decode_with_the_handover_and_the_same_body() -> None:
     assert json.loads(prefill.content) == json.loads(decode.content) == CHAT
     for call in (prefill, decode):  # the workers authenticate and salt by the same key
         assert call.headers["authorization"] == f"Bearer {KEY}"
-    assert Handover.parse(decode.headers[HANDOVER_HEADER]) == Handover((4,), 1234.5)
+    assert Handover.parse(decode.headers[HANDOVER_HEADER]) == Handover((4,), 1234.5, (0,))
 
 
 @pytest.mark.parametrize(
