@@ -56,9 +56,8 @@ class DisaggMetrics:
             server_role.labels(model_name=model_name, role=r).set(int(r == role))
         self.prefill_seconds = histogram(
             "disagg_prefill_seconds",
-            "Seconds of a prefill call until its pages are durable: on a router the round "
-            "trip to a prefill worker (failed and timed-out calls included), on a prefill "
-            "worker its own handling.",
+            "Router: seconds of a call to a prefill worker, until its pages are durable "
+            "(failed and timed-out calls included).",
             PREFILL_BUCKETS,
         )
         fallbacks = Counter(

@@ -84,7 +84,6 @@ async def _publish(
 ) -> PrefillResponse:
     if not ctx.engine.is_running:
         raise unavailable("The engine is not running")
-    started = time.monotonic()
     rid = f"prefill-{uuid.uuid4().hex}"
     requests = [
         Request(f"{rid}-{i}", ids, SamplingParams(max_tokens=1), cache_salt=salt, prefill_only=True)
@@ -105,15 +104,14 @@ async def _publish(
         raise engine_error(failed.exceptions[0]) from failed
     finally:
         ctx.admission.leave()
-    return _respond(ctx, [t.result() for t in tasks], started)
+    return _respond(ctx, [t.result() for t in tasks])
 
 
-def _respond(ctx: ServingContext, results: list[PrefillResult], started: float) -> PrefillResponse:
+def _respond(ctx: ServingContext, results: list[PrefillResult]) -> PrefillResponse:
     m = ctx.metrics.disagg
     for r in results:
         m.published_pages.inc(r.published_pages)
         m.published_bytes.inc(r.published_bytes)
-    m.prefill_seconds.observe(time.monotonic() - started)
     stats = ctx.engine.stats().kv
     return PrefillResponse(
         prompts=[
