@@ -224,10 +224,8 @@ def _table(summary: dict[str, Any]) -> str:
     for key, label in HEADLINE:
         s = summary[key]
         per_round = " / ".join(f"{r:.2f}" for r in s["ratio_per_round"] if r is not None)
-        lines.append(
-            f"| {label} | {_fmt(s['colocated_median'])} | {_fmt(s['split_median'])} | {per_round} | "
-            f"{s['ratio_median']:.2f} |"
-        )
+        co, sp = _fmt(s["colocated_median"]), _fmt(s["split_median"])
+        lines.append(f"| {label} | {co} | {sp} | {per_round} | {s['ratio_median']:.2f} |")
     return "\n".join(lines)
 
 
