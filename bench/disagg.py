@@ -13,6 +13,13 @@ measured side by side. Reported: TTFT, TPOT and throughput per run, the split
 over colocated ratio per round and its median, and the split runs' handover
 (bytes read per handed-over token, publish-to-admit latency, fallbacks) from
 the decode worker's and router's /metrics. Results: ``--output-dir``/disagg.json.
+
+    .venv/bin/python bench/disagg.py --routing-ablation 2
+
+compares the router's two ways of choosing workers instead (``--routing
+least-loaded`` vs ``affinity``), split against split, with two decode workers
+sharing the second core: how many bytes each reads back from the SSD tier, and
+what that does to latency.
 """
 
 from __future__ import annotations
@@ -75,8 +82,12 @@ def _samples(text: str) -> dict[str, float]:
     return out
 
 
-def _handover(decode_url: str, router_url: str) -> dict[str, Any]:
-    d = _samples(httpx.get(decode_url + "/metrics", timeout=10).text)
+def _handover(decode_urls: list[str], router_url: str) -> dict[str, Any]:
+    """The split run's handover, summed over its decode workers."""
+    d: dict[str, float] = {}
+    for url in decode_urls:
+        for name, value in _samples(httpx.get(url + "/metrics", timeout=10).text).items():
+            d[name] = d.get(name, 0.0) + value
     r = _samples(httpx.get(router_url + "/metrics", timeout=10).text)
     count = d["flashserve:disagg_handover_seconds_count{}"]
     ssd_tokens = d["flashserve:prefix_cache_hits_total{tier=ssd}"]
@@ -107,7 +118,13 @@ def run_colocated(args: argparse.Namespace, run, log_dir: Path) -> dict[str, Any
         return {"metrics": run(server.base_url)}
 
 
-def run_split(args: argparse.Namespace, run, log_dir: Path) -> dict[str, Any]:
+def run_split(
+    args: argparse.Namespace,
+    run,
+    log_dir: Path,
+    routing: str = "affinity",
+    decode_workers: int = 1,
+) -> dict[str, Any]:
     first, second = args.cores.split(",")
     kv_dir = Path(tempfile.mkdtemp(prefix="flashserve-disagg-kv-"))
     shared = ["--kv-dir", str(kv_dir), *args.server_args]
@@ -119,13 +136,18 @@ def run_split(args: argparse.Namespace, run, log_dir: Path) -> dict[str, Any]:
                     log_dir / "prefill.log",
                 )
             )
-            decode = stack.enter_context(
-                LaunchedServer(
-                    _pinned(second, 1, args.model, ["--role", "decode", *shared], ssd=False),
-                    log_dir / "decode.log",
+            decodes = [
+                stack.enter_context(
+                    LaunchedServer(
+                        _pinned(second, 1, args.model, ["--role", "decode", *shared], ssd=False),
+                        log_dir / f"decode{i}.log",
+                    )
                 )
-            )
-            urls = ["--prefill-url", prefill.base_url, "--decode-url", decode.base_url]
+                for i in range(decode_workers)
+            ]
+            urls = ["--prefill-url", prefill.base_url, "--routing", routing]
+            for decode in decodes:
+                urls += ["--decode-url", decode.base_url]
             router = stack.enter_context(
                 LaunchedServer(
                     _pinned(args.cores, 1, args.model, ["--role", "router", *urls], ssd=False),
@@ -133,7 +155,8 @@ def run_split(args: argparse.Namespace, run, log_dir: Path) -> dict[str, Any]:
                 )
             )
             metrics = run(router.base_url)
-            return {"metrics": metrics, "handover": _handover(decode.base_url, router.base_url)}
+            handover = _handover([d.base_url for d in decodes], router.base_url)
+            return {"metrics": metrics, "handover": handover}
     finally:
         shutil.rmtree(kv_dir, ignore_errors=True)
 
@@ -153,6 +176,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--server-args", nargs="*", default=[], help="more `serve` flags for all")
     p.add_argument("--output-dir", type=Path, default=REPO / "bench/results/disagg")
+    p.add_argument(
+        "--routing-ablation",
+        type=int,
+        metavar="DECODE_WORKERS",
+        help="compare split with --routing least-loaded vs affinity, this many decode workers",
+    )
     p.set_defaults(workload="agent")
     args = p.parse_args(argv)
     if len(args.cores.split(",")) != 2:
@@ -167,15 +196,25 @@ def main(argv: list[str] | None = None) -> int:
         result = asyncio.run(run_workload(workload, cfg, tokenizer, arrivals, "disagg", False))
         return compute_metrics(result.records, result.duration_s)
 
+    n = args.routing_ablation
+    variants = {
+        "colocated": lambda log_dir: run_colocated(args, run, log_dir),
+        "split": lambda log_dir: run_split(args, run, log_dir),
+    }
+    if n:
+        variants = {
+            "least-loaded": lambda log_dir: run_split(args, run, log_dir, "least-loaded", n),
+            "affinity": lambda log_dir: run_split(args, run, log_dir, "affinity", n),
+        }
+    base, other = variants
     runs: list[dict[str, Any]] = []
     for k in range(args.rounds):
-        order = ("colocated", "split") if k % 2 == 0 else ("split", "colocated")
+        order = (base, other) if k % 2 == 0 else (other, base)
         round_runs = {}
         for topology in order:
-            log_dir = args.output_dir / f"round{k}"
+            log_dir = args.output_dir / f"round{k}" / topology
             log_dir.mkdir(parents=True, exist_ok=True)
-            start = run_colocated if topology == "colocated" else run_split
-            round_runs[topology] = start(args, run, log_dir)
+            round_runs[topology] = variants[topology](log_dir)
             m = round_runs[topology]["metrics"]
             print(
                 f"round {k} {topology:9s}: {m['completed']} ok / {m['failed']} failed, "
@@ -185,10 +224,12 @@ def main(argv: list[str] | None = None) -> int:
             )
         runs.append(round_runs)
 
-    summary = _summary(runs)
-    print(_table(summary))
+    summary = _summary(runs, base, other)
+    print(_table(summary, base, other))
     for k, r in enumerate(runs):
-        print(f"round {k} handover: {json.dumps(r['split']['handover'])}")
+        for name in (base, other):
+            if "handover" in r[name]:
+                print(f"round {k} {name} handover: {json.dumps(r[name]['handover'])}")
     document = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": " ".join(["bench/disagg.py", *(argv if argv is not None else sys.argv[1:])]),
@@ -202,29 +243,32 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failed else 0
 
 
-def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+def _summary(
+    runs: list[dict[str, Any]], base: str = "colocated", other: str = "split"
+) -> dict[str, Any]:
+    """Per metric: each variant's median over rounds and ``other / base`` per round."""
     out: dict[str, Any] = {}
     for key, _ in HEADLINE:
-        co = [r["colocated"]["metrics"][key] for r in runs]
-        sp = [r["split"]["metrics"][key] for r in runs]
+        co = [r[base]["metrics"][key] for r in runs]
+        sp = [r[other]["metrics"][key] for r in runs]
         out[key] = {
-            "colocated_median": statistics.median(co),
-            "split_median": statistics.median(sp),
+            "base_median": statistics.median(co),
+            "other_median": statistics.median(sp),
             "ratio_per_round": [s / c if c else None for s, c in zip(sp, co, strict=True)],
             "ratio_median": statistics.median(s / c for s, c in zip(sp, co, strict=True) if c),
         }
     return out
 
 
-def _table(summary: dict[str, Any]) -> str:
+def _table(summary: dict[str, Any], base: str = "colocated", other: str = "split") -> str:
     lines = [
-        "| metric | colocated (median) | split (median) | split / colocated, per round | median |",
+        f"| metric | {base} (median) | {other} (median) | {other} / {base}, per round | median |",
         "|---|---|---|---|---|",
     ]
     for key, label in HEADLINE:
         s = summary[key]
         per_round = " / ".join(f"{r:.2f}" for r in s["ratio_per_round"] if r is not None)
-        co, sp = _fmt(s["colocated_median"]), _fmt(s["split_median"])
+        co, sp = _fmt(s["base_median"]), _fmt(s["other_median"])
         lines.append(f"| {label} | {co} | {sp} | {per_round} | {s['ratio_median']:.2f} |")
     return "\n".join(lines)
 

@@ -99,6 +99,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="router: seconds between two reads of a decode worker's answer (default %(default)s)",
     )
     split.add_argument(
+        "--routing",
+        choices=("affinity", "least-loaded"),
+        default="affinity",
+        help="router: affinity keeps a conversation on one worker of each pool (its device "
+        "tier holds the earlier turns) unless that worker is --affinity-slack requests busier "
+        "than the least busy; least-loaded ignores conversations (default %(default)s)",
+    )
+    split.add_argument(
+        "--affinity-slack", type=int, default=4, help="router: see --routing (default 4)"
+    )
+    split.add_argument(
         "--publish-timeout",
         type=float,
         default=60.0,
@@ -307,6 +318,8 @@ def _run_router(args: argparse.Namespace) -> int:
         decode_urls=tuple(args.decode_url),
         prefill_timeout_s=args.prefill_timeout,
         decode_timeout_s=args.decode_timeout,
+        routing=args.routing,
+        affinity_slack=args.affinity_slack,
     )
     _say(
         f"routing: prefill {', '.join(router.prefill_urls)}; decode {', '.join(router.decode_urls)}"

@@ -24,7 +24,6 @@ workers derive the same tenant salt (give them the same keys).
 # No `from __future__ import annotations`: FastAPI reads the route signatures at runtime.
 import asyncio
 import contextlib
-import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -47,6 +46,7 @@ from server.model_routes import add_model_routes
 from server.prefill_worker import PrefillResponse
 from server.settings import ServerSettings
 from server.sse import DONE, MEDIA_TYPE, WatchedStreamingResponse, event
+from server.worker_pool import ROUTINGS, Routing, WorkerPool, session_key
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +67,10 @@ class RouterSettings:
     # every few seconds; a non-streamed answer arrives whole at the end).
     decode_timeout_s: float = 600.0
     connect_timeout_s: float = 5.0
+    # How a worker is chosen (server/worker_pool.py): a conversation's own worker,
+    # unless it has ``affinity_slack`` more requests in flight than the least busy.
+    routing: Routing = "affinity"
+    affinity_slack: int = 4
 
     def __post_init__(self) -> None:
         if not self.prefill_urls or not self.decode_urls:
@@ -74,29 +78,10 @@ class RouterSettings:
         for name in ("prefill_timeout_s", "decode_timeout_s", "connect_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"RouterSettings.{name} must be > 0")
-
-
-class WorkerPool:
-    """Workers of one role; the next request goes to the one with the fewest in flight
-    (ties in turn), so a slow worker is not handed more."""
-
-    def __init__(self, urls: tuple[str, ...]) -> None:
-        self.urls = [u.rstrip("/") for u in urls]
-        self.in_flight = dict.fromkeys(self.urls, 0)
-        self._turn = itertools.count()
-
-    def order(self) -> list[str]:
-        """Every worker, best first."""
-        turn = next(self._turn)
-        n = len(self.urls)
-        rotated = [self.urls[(turn + k) % n] for k in range(n)]
-        return sorted(rotated, key=lambda u: self.in_flight[u])
-
-    def acquire(self, url: str) -> None:
-        self.in_flight[url] += 1
-
-    def release(self, url: str) -> None:
-        self.in_flight[url] -= 1
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"RouterSettings.routing must be one of {ROUTINGS}")
+        if self.affinity_slack < 0:
+            raise ValueError("RouterSettings.affinity_slack must be >= 0")
 
 
 def create_router_app(
@@ -106,7 +91,10 @@ def create_router_app(
 ) -> FastAPI:
     """The public API of a split deployment; ``transport``: for tests."""
     metrics = ServerMetrics(settings.served_model_name, role="router")
-    prefill_pool, decode_pool = WorkerPool(router.prefill_urls), WorkerPool(router.decode_urls)
+    prefill_pool, decode_pool = (
+        WorkerPool(urls, router.routing, router.affinity_slack)
+        for urls in (router.prefill_urls, router.decode_urls)
+    )
     client = httpx.AsyncClient(transport=transport, timeout=router.decode_timeout_s)
 
     @contextlib.asynccontextmanager
@@ -119,9 +107,11 @@ def create_router_app(
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     auth = api_key_dependency(settings.api_keys)
 
-    async def prefill(path: str, body: bytes, headers: dict[str, str]) -> Handover | None:
+    async def prefill(
+        path: str, body: bytes, headers: dict[str, str], session: bytes | None
+    ) -> Handover | None:
         """Publish the prompt's pages through a prefill worker; None on any failure."""
-        url = prefill_pool.order()[0]
+        url = prefill_pool.order(session)[0]
         timeout = httpx.Timeout(router.prefill_timeout_s, connect=router.connect_timeout_s)
         started = time.monotonic()
         prefill_pool.acquire(url)
@@ -156,12 +146,17 @@ def create_router_app(
         return None
 
     async def decode(
-        path: str, body: bytes, headers: dict[str, str], handover: Handover | None
+        path: str,
+        body: bytes,
+        headers: dict[str, str],
+        handover: Handover | None,
+        session: bytes | None,
     ) -> Response:
         if handover is not None:
             headers = {**headers, HANDOVER_HEADER: handover.header()}
         timeout = httpx.Timeout(router.decode_timeout_s, connect=router.connect_timeout_s)
-        for url in decode_pool.order():  # the next worker only if this one cannot be reached
+        # The next worker only if this one cannot be reached.
+        for url in decode_pool.order(session):
             request = client.build_request(
                 "POST", url + path, content=body, headers=headers, timeout=timeout
             )
@@ -183,8 +178,9 @@ def create_router_app(
         headers = {"content-type": request.headers.get("content-type", "application/json")}
         if "authorization" in request.headers:
             headers["authorization"] = request.headers["authorization"]
-        handover = await prefill(request.url.path, body, headers)
-        return await decode(request.url.path, body, headers, handover)
+        session = session_key(body, headers.get("authorization"))
+        handover = await prefill(request.url.path, body, headers, session)
+        return await decode(request.url.path, body, headers, handover, session)
 
     for path in PREFILL_ROUTES:
         app.add_api_route(path, proxy, methods=["POST"], response_model=None)

@@ -32,7 +32,7 @@ def test_summary_takes_ratios_per_round_and_their_median() -> None:
     s = disagg._summary(runs)
     assert s["mean_ttft_ms"]["ratio_per_round"] == [0.5, 1.5, 0.5]
     assert s["mean_ttft_ms"]["ratio_median"] == 0.5
-    assert (s["mean_ttft_ms"]["colocated_median"], s["mean_ttft_ms"]["split_median"]) == (200, 200)
+    assert (s["mean_ttft_ms"]["base_median"], s["mean_ttft_ms"]["other_median"]) == (200, 200)
     assert s["request_throughput"]["ratio_per_round"] == [1.5, 0.5, 1.2]
     assert s["request_throughput"]["ratio_median"] == pytest.approx(1.2)
     table = disagg._table(s)
@@ -62,12 +62,15 @@ def test_handover_reads_the_decode_and_router_metrics(monkeypatch: pytest.Monkey
     monkeypatch.setattr(
         disagg.httpx, "get", lambda url, timeout: httpx.Response(200, content=texts[url])
     )
-    h = disagg._handover("http://d", "http://r")
+    h = disagg._handover(["http://d"], "http://r")
     assert h["handovers"] == 2
     assert h["handover_latency_mean_ms"] == pytest.approx(20.0)
     assert h["handover_bytes_per_token"] == pytest.approx(8 * 34272 / 512)
     assert h["prefill_call_mean_ms"] == pytest.approx(200.0)
     assert h["fallbacks"] == {"prefill_timeout": 0, "prefill_error": 1, "missing_pages": 1}
+    both = disagg._handover(["http://d", "http://d"], "http://r")  # two decode workers: summed
+    assert (both["handovers"], both["handover_bytes_total"]) == (4, 16 * 34272)
+    assert both["handover_bytes_per_token"] == h["handover_bytes_per_token"]
 
 
 def test_pinned_servers_run_under_taskset_with_their_thread_count() -> None:

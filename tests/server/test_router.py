@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from server.handover import HANDOVER_HEADER, Handover
-from server.router import RouterSettings, WorkerPool, create_router_app
+from server.router import RouterSettings, create_router_app
 from server.settings import ServerSettings
 
 PREFILL = "http://prefill.test"
@@ -196,13 +196,29 @@ def test_the_router_authenticates_before_any_worker_is_called() -> None:
     assert "deepseek-flash" in {m["id"] for m in models["data"]}
 
 
-def test_the_least_busy_worker_goes_first_and_ties_take_turns() -> None:
-    pool = WorkerPool(("http://a", "http://b/"))
-    assert {pool.order()[0] for _ in range(4)} == {"http://a", "http://b"}
-    pool.acquire("http://a")
-    assert [pool.order()[0] for _ in range(3)] == ["http://b"] * 3
-    pool.release("http://a")
-    assert pool.in_flight == {"http://a": 0, "http://b": 0}
+def test_a_conversation_stays_on_its_workers_while_another_may_move() -> None:
+    urls = tuple(f"http://w{i}.test" for i in range(4))
+    seen: dict[str, list[str]] = {"a": [], "b": []}
+
+    def worker(request: httpx.Request) -> httpx.Response:
+        if request.url.path.startswith("/internal"):
+            return httpx.Response(200, json=PUBLISHED)
+        who = json.loads(request.content)["messages"][1]["content"]
+        seen[who].append(str(request.url.host))
+        return httpx.Response(200, json={"ok": True})
+
+    router = RouterSettings(urls, urls)
+    app = create_router_app(ServerSettings(), router, transport=httpx.MockTransport(worker))
+    with TestClient(app) as client:
+        for turn in range(5):  # each turn appends to the conversation
+            for who in ("a", "b"):
+                history = [{"role": "user", "content": f"turn {k}"} for k in range(turn)]
+                messages = [
+                    {"role": "system", "content": "tools"},
+                    {"role": "user", "content": who},
+                ]
+                client.post("/v1/chat/completions", json={"messages": messages + history})
+    assert len(set(seen["a"])) == 1 and len(set(seen["b"])) == 1
 
 
 def test_router_settings_refuse_an_empty_pool() -> None:
