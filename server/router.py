@@ -210,7 +210,6 @@ def create_router_app(
     async def metrics_route() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    app.state.metrics = metrics
     return app
 
 
