@@ -22,7 +22,7 @@ from tokenizers import Tokenizer
 from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.request import CompletionOutput, Request, RequestOutput, Usage
 from server.errors import APIError, invalid_parameter, invalid_request, overloaded, unavailable
-from server.handover import HANDOVER_HEADER, Handover
+from server.handover import ARRIVAL_HEADER, HANDOVER_HEADER, Handover, parse_arrival
 from server.logprobs import TokenTexts
 from server.metrics import ServerMetrics
 from server.protocol import Usage as ApiUsage
@@ -80,11 +80,20 @@ class ChoiceUpdate:
     output: CompletionOutput
 
 
-def handover_of(ctx: ServingContext, headers: Mapping[str, str]) -> Handover | None:
-    """The router's handover header, honoured by a decode worker only."""
+@dataclass(frozen=True, slots=True)
+class Routed:
+    """What a router said about a request a decode worker serves."""
+
+    handover: Handover | None  # the pages a prefill worker published
+    client_arrival: float | None  # when the router received it (this host's monotonic clock)
+
+
+def routed_of(ctx: ServingContext, headers: Mapping[str, str]) -> Routed | None:
+    """The router's headers, honoured by a decode worker only."""
     if ctx.settings.role != "decode":
         return None
-    return Handover.parse(headers.get(HANDOVER_HEADER))
+    arrival = parse_arrival(headers.get(ARRIVAL_HEADER), time.time(), time.monotonic())
+    return Routed(Handover.parse(headers.get(HANDOVER_HEADER)), arrival)
 
 
 def engine_error(exc: BaseException) -> APIError:
@@ -119,13 +128,14 @@ class Generation:
         *,
         prompt_param: str = "messages",
         clock: Callable[[], float] = time.monotonic,
-        handover: Handover | None = None,
+        routed: Routed | None = None,
     ) -> None:
         """Validate every call, then take a place in the admission count (or raise).
 
-        ``handover``: the pages a prefill worker published for these prompts (a
-        decode worker of a split deployment); measured when each prompt's first
-        call finishes."""
+        ``routed`` (a decode worker of a split deployment): the pages a prefill
+        worker published for these prompts, measured when each prompt's first
+        call finishes, and the router's arrival time, from which TTFT and
+        end-to-end latency are measured."""
         if not ctx.engine.is_running:  # a 503 now, rather than a stream that fails at once
             raise unavailable("The engine is not running")
         for call in calls:
@@ -137,7 +147,8 @@ class Generation:
         self._ctx = ctx
         self._calls = sorted(calls, key=lambda c: c.first_index)
         self._clock = clock
-        self._handover = handover
+        self._handover = routed.handover if routed is not None else None
+        self._client_arrival = routed.client_arrival if routed is not None else None
         self._queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
         self._usage: dict[int, Usage] = {}
         self._open = len(calls)
@@ -168,6 +179,7 @@ class Generation:
             first_scheduled=m.first_scheduled_time,
             token_times=token_times,
             finished=m.finished_time if m.finished_time is not None else self._clock(),
+            client_arrival=self._client_arrival,
         )
 
     def _observe_handover(self, call: EngineCall, out: RequestOutput) -> None:

@@ -16,6 +16,10 @@ import math
 from dataclasses import dataclass
 
 HANDOVER_HEADER = "x-flashserve-handover"
+# The router's ``time.time()`` when the client's request reached it: a decode
+# worker measures TTFT and end-to-end latency from there, so its histograms show
+# what the client saw, prefill call included.
+ARRIVAL_HEADER = "x-flashserve-arrived-at"
 
 # The internal route of a prefill worker for each public route.
 PREFILL_ROUTES = {
@@ -74,3 +78,17 @@ class Handover:
         published = self.pages_for(prompt_group) * page_tokens
         hit = self.hit_tokens[prompt_group] if prompt_group < len(self.hit_tokens) else 0
         return restored_tokens - max(0, min(restored_tokens, published) - hit)
+
+
+def parse_arrival(value: str | None, now_wall: float, now_monotonic: float) -> float | None:
+    """The router's arrival time (wall clock) on this host's monotonic clock, or None
+    when absent or malformed. A time in the future (clock skew) counts as now."""
+    if not value:
+        return None
+    try:
+        wall = float(value)
+    except ValueError:
+        return None
+    if not math.isfinite(wall):
+        return None
+    return now_monotonic - max(0.0, now_wall - wall)

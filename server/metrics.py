@@ -238,8 +238,13 @@ class ServerMetrics:
         first_scheduled: float | None,
         token_times: Sequence[float],
         finished: float,
+        client_arrival: float | None = None,
     ) -> None:
         """Record the latencies of one finished request (seconds, all on one clock).
+
+        ``client_arrival``: when a router received the request, if one did (a
+        decode worker): TTFT and end-to-end latency count from there, so they
+        include the prefill call; queue time stays this server's own.
 
         ``token_times``: when each output step of the request produced tokens
         (``RequestOutput.metrics.last_token_time`` of each streamed output).
@@ -248,12 +253,13 @@ class ServerMetrics:
         """
         if first_scheduled is not None:
             self.request_queue_time.observe(first_scheduled - arrival)
+        start = min(arrival, client_arrival) if client_arrival is not None else arrival
         steps = _distinct(token_times)
         if steps:
-            self.time_to_first_token.observe(steps[0] - arrival)
+            self.time_to_first_token.observe(steps[0] - start)
         for earlier, later in pairwise(steps):
             self.inter_token_latency.observe(later - earlier)
-        self.e2e_request_latency.observe(finished - arrival)
+        self.e2e_request_latency.observe(finished - start)
 
     def set_engine_stats(self, stats: EngineStats) -> None:
         """The engine's latest ``stats()``; the next scrape reads gauges and counters from it."""

@@ -6,9 +6,10 @@ For each API request the router:
    (``server/prefill_worker.py``), which returns once the prompt's full KV
    pages are durable in the shared SSD tier;
 2. posts the same body to a decode worker's public route with the
-   ``x-flashserve-handover`` header (``server/handover.py``); the decode
-   worker restores the pages by its own prefix lookup, replays the last
-   window, prefills the partial last page and generates;
+   ``x-flashserve-handover`` header (``server/handover.py``) and its arrival
+   time (``x-flashserve-arrived-at``: the decode worker's TTFT counts from
+   it); the decode worker restores the pages by its own prefix lookup,
+   replays the last window, prefills the partial last page and generates;
 3. streams the decode worker's response back byte for byte (SSE or JSON,
    status and error bodies included).
 
@@ -40,7 +41,7 @@ from server.auth import api_key_dependency
 from server.body_limit import BodySizeLimit
 from server.error_handlers import install_error_handlers
 from server.errors import server_error, unavailable
-from server.handover import HANDOVER_HEADER, PREFILL_ROUTES, Handover
+from server.handover import ARRIVAL_HEADER, HANDOVER_HEADER, PREFILL_ROUTES, Handover
 from server.metrics import CONTENT_TYPE, ServerMetrics
 from server.model_routes import add_model_routes
 from server.prefill_worker import PrefillResponse
@@ -151,9 +152,11 @@ def create_router_app(
         headers: dict[str, str],
         handover: Handover | None,
         session: bytes | None,
+        arrived_at: float,
     ) -> Response:
+        headers = {**headers, ARRIVAL_HEADER: repr(arrived_at)}
         if handover is not None:
-            headers = {**headers, HANDOVER_HEADER: handover.header()}
+            headers[HANDOVER_HEADER] = handover.header()
         timeout = httpx.Timeout(router.decode_timeout_s, connect=router.connect_timeout_s)
         # The next worker only if this one cannot be reached.
         for url in decode_pool.order(session):
@@ -174,13 +177,14 @@ def create_router_app(
         raise unavailable("No decode worker could be reached")
 
     async def proxy(request: HttpRequest, _: Annotated[str | None, Depends(auth)]) -> Response:
+        arrived_at = time.time()
         body = await request.body()
         headers = {"content-type": request.headers.get("content-type", "application/json")}
         if "authorization" in request.headers:
             headers["authorization"] = request.headers["authorization"]
         session = session_key(body, headers.get("authorization"))
         handover = await prefill(request.url.path, body, headers, session)
-        return await decode(request.url.path, body, headers, handover, session)
+        return await decode(request.url.path, body, headers, handover, session, arrived_at)
 
     for path in PREFILL_ROUTES:
         app.add_api_route(path, proxy, methods=["POST"], response_model=None)

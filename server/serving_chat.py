@@ -27,7 +27,7 @@ from server.generation import (
     EngineCall,
     Generation,
     ServingContext,
-    handover_of,
+    routed_of,
     run_to_end,
 )
 from server.model_names import resolve_model, thinking_enabled
@@ -79,7 +79,7 @@ async def create_chat_completion(
         ctx,
         plan.calls,
         prompt_param="messages",
-        handover=handover_of(ctx, http_request.headers),
+        routed=routed_of(ctx, http_request.headers),
     )
     think_end_id = ctx.tokenizer.token_to_id(THINK_END)
     parsers = [

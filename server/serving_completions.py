@@ -29,7 +29,7 @@ from server.generation import (
     EngineCall,
     Generation,
     ServingContext,
-    handover_of,
+    routed_of,
     run_to_end,
 )
 from server.logprobs import extend_completion_logprobs, extend_prompt_logprobs
@@ -99,9 +99,7 @@ async def create_completion(
         )
         request = Request(f"{request_id}-{i}", prompt.ids, params, cache_salt=salt)
         calls.append(EngineCall(request, first_index=i * body.n, prompt_group=i))
-    gen = Generation(
-        ctx, calls, prompt_param="prompt", handover=handover_of(ctx, http_request.headers)
-    )
+    gen = Generation(ctx, calls, prompt_param="prompt", routed=routed_of(ctx, http_request.headers))
     choices = [_start_choice(ctx, prompts[i // body.n], body) for i in range(len(calls) * body.n)]
     created = int(time.time())
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from server.handover import PREFILL_ROUTES, Handover
+from server.handover import PREFILL_ROUTES, Handover, parse_arrival
 
 
 def test_round_trip() -> None:
@@ -69,3 +69,11 @@ def test_each_prefill_route_is_served_by_a_prefill_worker() -> None:
     assert set(PREFILL_ROUTES.values()) == served - {"/openapi.json", "/docs", "/redoc"} - {
         "/docs/oauth2-redirect"
     }
+
+
+def test_the_routers_arrival_on_this_hosts_monotonic_clock() -> None:
+    # Wall 1000.0 here is monotonic 50.0: a router arrival at wall 996.5 is 46.5.
+    assert parse_arrival("996.5", now_wall=1000.0, now_monotonic=50.0) == pytest.approx(46.5)
+    assert parse_arrival("1003.0", now_wall=1000.0, now_monotonic=50.0) == 50.0  # skew: now
+    for bad in (None, "", "soon", "nan", "inf"):
+        assert parse_arrival(bad, now_wall=1000.0, now_monotonic=50.0) is None

@@ -163,6 +163,22 @@ def test_observe_request_fills_the_latency_histograms() -> None:
     assert value(m, queue + "_bucket", le="0.5") == 1
 
 
+def test_a_routed_request_counts_ttft_and_e2e_from_the_routers_arrival() -> None:
+    m = ServerMetrics(MODEL, role="decode")
+    # The router got it at 6.0 (a 4 s prefill call); here it arrived at 10.0.
+    m.observe_request(
+        arrival=10.0,
+        first_scheduled=10.5,
+        token_times=[11.0, 11.3],
+        finished=11.4,
+        client_arrival=6.0,
+    )
+    assert value(m, "flashserve:time_to_first_token_seconds_sum") == pytest.approx(5.0)
+    assert value(m, "flashserve:e2e_request_latency_seconds_sum") == pytest.approx(5.4)
+    assert value(m, "flashserve:request_queue_time_seconds_sum") == pytest.approx(0.5)
+    assert value(m, "flashserve:inter_token_latency_seconds_sum") == pytest.approx(0.3)
+
+
 def test_request_that_never_ran_counts_only_end_to_end() -> None:
     m = ServerMetrics(MODEL)
     m.observe_request(arrival=0.0, first_scheduled=None, token_times=[], finished=3.0)

@@ -10,13 +10,14 @@ reached. The three-process test (test_split_serving.py) runs real workers.
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from server.handover import HANDOVER_HEADER, Handover
+from server.handover import ARRIVAL_HEADER, HANDOVER_HEADER, Handover
 from server.router import RouterSettings, create_router_app
 from server.settings import ServerSettings
 
@@ -80,6 +81,7 @@ def test_prefill_then_decode_with_the_handover_and_the_same_body() -> None:
     for call in (prefill, decode):  # the workers authenticate and salt by the same key
         assert call.headers["authorization"] == f"Bearer {KEY}"
     assert Handover.parse(decode.headers[HANDOVER_HEADER]) == Handover((4,), 1234.5, (0,))
+    assert abs(float(decode.headers[ARRIVAL_HEADER]) - time.time()) < 60
 
 
 @pytest.mark.parametrize(
@@ -99,13 +101,13 @@ def test_every_public_route_has_its_prefill_route(path: str, internal: str) -> N
     assert [c.url.path for c in workers.calls] == [internal, path]
 
 
-def test_a_client_cannot_send_its_own_handover() -> None:
+def test_a_client_cannot_send_its_own_handover_or_arrival() -> None:
     workers = Workers(prefill=lambda r: httpx.Response(500))
+    forged = {HANDOVER_HEADER: Handover((9,), 1.0).header(), ARRIVAL_HEADER: "1.0"}
     with _client(workers) as client:
-        client.post(
-            "/v1/completions", json={}, headers={HANDOVER_HEADER: Handover((9,), 1.0).header()}
-        )
-    assert HANDOVER_HEADER not in workers.calls[-1].headers
+        client.post("/v1/completions", json={}, headers=forged)
+    sent = workers.calls[-1].headers
+    assert HANDOVER_HEADER not in sent and float(sent[ARRIVAL_HEADER]) > 1.0
 
 
 def _raise(exc: Exception):

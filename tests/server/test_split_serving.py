@@ -196,6 +196,12 @@ def test_bytes_handed_over_are_the_global_kv_bytes_per_token(split: Split) -> No
     latency = _delta(after["decode"], before["decode"], "flashserve:disagg_handover_seconds_sum")
     assert 0 <= latency < 5
     assert _delta(after["router"], before["router"], "flashserve:disagg_prefill_seconds_count") == 1
+    # The decode worker's TTFT counts from the router's arrival: the prefill call is in it.
+    ttft = "flashserve:time_to_first_token_seconds_sum"
+    prefill_call = _delta(
+        after["router"], before["router"], "flashserve:disagg_prefill_seconds_sum"
+    )
+    assert _delta(after["decode"], before["decode"], ttft) > prefill_call > 0
     for reason in ("prefill_timeout", "prefill_error", "missing_pages"):
         for name in ("router", "decode"):
             assert (
