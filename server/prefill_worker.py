@@ -18,6 +18,8 @@ from collections.abc import Awaitable, Callable
 from typing import Annotated
 
 from fastapi import Depends, FastAPI
+from fastapi import Request as HttpRequest
+from fastapi.responses import Response
 from pydantic import BaseModel
 
 from engine.async_engine import PrefillResult
@@ -25,9 +27,9 @@ from engine.request import Request
 from engine.sampling_params import SamplingParams
 from server.auth import tenant_salt
 from server.errors import unavailable
-from server.generation import ServingContext, engine_error, request_error
+from server.generation import ClientGone, ServingContext, engine_error, request_error
 from server.protocol import ChatCompletionRequest, CompletionRequest
-from server.serving_chat import plan_chat
+from server.serving_chat import CLIENT_CLOSED, plan_chat
 from server.serving_completions import completion_prompt_ids
 
 
@@ -52,36 +54,53 @@ def add_prefill_routes(
     """``POST /internal/prefill/{chat,completions,fim}`` (kept out of the API schema)."""
 
     async def chat(
-        body: ChatCompletionRequest, api_key: Annotated[str | None, Depends(auth)]
-    ) -> PrefillResponse:
+        body: ChatCompletionRequest,
+        http: HttpRequest,
+        api_key: Annotated[str | None, Depends(auth)],
+    ) -> PrefillResponse | Response:
         calls = plan_chat(ctx, body, api_key).calls
         # Choices with grammars of their own share one prompt: prefill it once.
         request = calls[0].request
-        return await _publish(ctx, [request.prompt_token_ids], request.cache_salt, "messages")
+        ids, salt = [request.prompt_token_ids], request.cache_salt
+        return await _publish(ctx, ids, salt, "messages", http.is_disconnected)
 
     async def completions(
-        body: CompletionRequest, api_key: Annotated[str | None, Depends(auth)]
-    ) -> PrefillResponse:
+        body: CompletionRequest,
+        http: HttpRequest,
+        api_key: Annotated[str | None, Depends(auth)],
+    ) -> PrefillResponse | Response:
         ids = completion_prompt_ids(ctx, body, fim=False)
-        return await _publish(ctx, ids, tenant_salt(api_key, body.cache_salt), "prompt")
+        salt = tenant_salt(api_key, body.cache_salt)
+        return await _publish(ctx, ids, salt, "prompt", http.is_disconnected)
 
     async def fim(
-        body: CompletionRequest, api_key: Annotated[str | None, Depends(auth)]
-    ) -> PrefillResponse:
+        body: CompletionRequest,
+        http: HttpRequest,
+        api_key: Annotated[str | None, Depends(auth)],
+    ) -> PrefillResponse | Response:
         ids = completion_prompt_ids(ctx, body, fim=True)
-        return await _publish(ctx, ids, tenant_salt(api_key, body.cache_salt), "prompt")
+        salt = tenant_salt(api_key, body.cache_salt)
+        return await _publish(ctx, ids, salt, "prompt", http.is_disconnected)
 
     for path, endpoint in (
         ("/internal/prefill/chat", chat),
         ("/internal/prefill/completions", completions),
         ("/internal/prefill/fim", fim),
     ):
-        app.add_api_route(path, endpoint, methods=["POST"], include_in_schema=False)
+        app.add_api_route(
+            path, endpoint, methods=["POST"], response_model=None, include_in_schema=False
+        )
 
 
 async def _publish(
-    ctx: ServingContext, prompts: list[list[int]], salt: bytes, prompt_param: str
-) -> PrefillResponse:
+    ctx: ServingContext,
+    prompts: list[list[int]],
+    salt: bytes,
+    prompt_param: str,
+    is_disconnected: Callable[[], Awaitable[bool]],
+) -> PrefillResponse | Response:
+    """Prefill and publish every prompt; a router that gave up (timed out, or its
+    client left) aborts the work, as a client of the public API does."""
     if not ctx.engine.is_running:
         raise unavailable("The engine is not running")
     rid = f"prefill-{uuid.uuid4().hex}"
@@ -95,12 +114,26 @@ async def _publish(
         except ValueError as exc:
             raise request_error(str(exc), prompt_param) from exc
     timeout = ctx.settings.publish_timeout_s
+    poll_s = ctx.settings.disconnect_poll_s
+
+    async def watch() -> None:
+        while True:
+            await asyncio.sleep(poll_s)
+            if await is_disconnected():
+                raise ClientGone
+
     ctx.admission.enter()
     try:
-        # A failing prompt cancels its siblings, which aborts their engine requests.
+        # A failing prompt, or the caller leaving, cancels the rest, which aborts
+        # their engine requests.
         async with asyncio.TaskGroup() as group:
             tasks = [group.create_task(ctx.engine.prefill(r, timeout)) for r in requests]
+            watcher = group.create_task(watch())
+            await asyncio.gather(*tasks)
+            watcher.cancel()
     except ExceptionGroup as failed:
+        if failed.subgroup(ClientGone) is not None:
+            return Response(status_code=CLIENT_CLOSED)
         raise engine_error(failed.exceptions[0]) from failed
     finally:
         ctx.admission.leave()

@@ -246,13 +246,14 @@ def test_a_prefill_worker_killed_mid_request_falls_back(
     split: Split, tiny_cache: Path, tmp_path: Path
 ) -> None:
     # A prefill worker of its own, slowed down by small chunks, and a router to it.
-    slow = _worker_args("prefill", split.kv_dir, "--prefill-chunk-tokens", "32")
+    slow = _worker_args("prefill", split.kv_dir, "--prefill-chunk-tokens", "8")
     victim = _start(tiny_cache, tmp_path, "victim", slow, ONE_THREAD)
     router = None
     try:
         wait_ready(victim)
         router = _start(tiny_cache, tmp_path, "router2", _router_args(victim, split.decode))
         wait_ready(router)
+        _a_router_that_gives_up_aborts_the_prefill(victim, split.kv_dir)
         text = _text(600, 8)
         cold, _ = _chat(split.colocated, text)
 
@@ -277,3 +278,27 @@ def test_a_prefill_worker_killed_mid_request_falls_back(
         stop_server(victim)
         if router is not None:
             stop_server(router)
+
+
+def _a_router_that_gives_up_aborts_the_prefill(victim: LiveServer, kv_dir: Path) -> None:
+    """A caller that stops waiting (a router's timeout) aborts the worker's prefill:
+    it is counted as an abort, stops running, and publishes nothing."""
+    abort = ("flashserve:request_success_total", (("finished_reason", "abort"),))
+    running = ("flashserve:num_requests_running", ())
+    before, files = victim.metrics(), set(kv_dir.rglob("*.kvp"))
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(
+            victim.base_url + "/internal/prefill/chat",
+            json=_chat_body(_text(600, 9)),
+            headers={"Authorization": f"Bearer {API_KEY}"},
+            timeout=httpx.Timeout(60, read=0.5),
+        )
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        now = victim.metrics()
+        if now.get(abort, 0) - before.get(abort, 0) == 1 and now.get(running, 0) == 0:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError("the prefill worker did not abort the abandoned prefill")
+    assert set(kv_dir.rglob("*.kvp")) == files
