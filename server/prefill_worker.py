@@ -64,28 +64,22 @@ def add_prefill_routes(
         ids, salt = [request.prompt_token_ids], request.cache_salt
         return await _publish(ctx, ids, salt, "messages", http.is_disconnected)
 
-    async def completions(
-        body: CompletionRequest,
-        http: HttpRequest,
-        api_key: Annotated[str | None, Depends(auth)],
-    ) -> PrefillResponse | Response:
-        ids = completion_prompt_ids(ctx, body, fim=False)
-        salt = tenant_salt(api_key, body.cache_salt)
-        return await _publish(ctx, ids, salt, "prompt", http.is_disconnected)
+    def completions(fim: bool) -> Callable[..., Awaitable[PrefillResponse | Response]]:
+        async def endpoint(
+            body: CompletionRequest,
+            http: HttpRequest,
+            api_key: Annotated[str | None, Depends(auth)],
+        ) -> PrefillResponse | Response:
+            ids = completion_prompt_ids(ctx, body, fim=fim)
+            salt = tenant_salt(api_key, body.cache_salt)
+            return await _publish(ctx, ids, salt, "prompt", http.is_disconnected)
 
-    async def fim(
-        body: CompletionRequest,
-        http: HttpRequest,
-        api_key: Annotated[str | None, Depends(auth)],
-    ) -> PrefillResponse | Response:
-        ids = completion_prompt_ids(ctx, body, fim=True)
-        salt = tenant_salt(api_key, body.cache_salt)
-        return await _publish(ctx, ids, salt, "prompt", http.is_disconnected)
+        return endpoint
 
     for path, endpoint in (
         ("/internal/prefill/chat", chat),
-        ("/internal/prefill/completions", completions),
-        ("/internal/prefill/fim", fim),
+        ("/internal/prefill/completions", completions(fim=False)),
+        ("/internal/prefill/fim", completions(fim=True)),
     ):
         app.add_api_route(
             path, endpoint, methods=["POST"], response_model=None, include_in_schema=False

@@ -302,3 +302,18 @@ def _a_router_that_gives_up_aborts_the_prefill(victim: LiveServer, kv_dir: Path)
     else:
         raise AssertionError("the prefill worker did not abort the abandoned prefill")
     assert set(kv_dir.rglob("*.kvp")) == files
+
+
+def test_split_fill_in_the_middle(split: Split) -> None:
+    body = {"model": "deepseek-flash", "prompt": _text(120, 10), "suffix": " end", "max_tokens": 5}
+    body["temperature"] = 0
+    split.colocated.post("/beta/completions", body)
+    expected = split.colocated.post("/beta/completions", body).json()
+    before = split.decode.metrics()
+    got = split.router.post("/beta/completions", body).json()
+    after = split.decode.metrics()
+    assert got["choices"][0]["text"] == expected["choices"][0]["text"]
+    # Handed over through the prefill worker's FIM route, not computed as a fallback.
+    assert _delta(after, before, "flashserve:disagg_handover_bytes_count") == 1
+    assert _delta(after, before, "flashserve:disagg_handover_bytes_sum") > 0
+    assert got["usage"]["prompt_tokens"] == expected["usage"]["prompt_tokens"] > 64
