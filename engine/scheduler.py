@@ -132,12 +132,8 @@ class Scheduler:
             self.replay_tokens,
             need_logits=not seq.prefill_only,
         )
+        # A prefill-only sequence whose every page hit gets a chunk of no rows.
         end = min(seq.num_tokens, plan.replay_start + self._chunk(budget))
-        # A prefill-only sequence whose every page hit has nothing to run: no replay,
-        # a chunk of no rows that only marks it done.
-        nothing_to_run = plan.hit_tokens == seq.num_tokens
-        if nothing_to_run:
-            end = seq.num_tokens
         try:
             block_table = self.kv.allocate(seq.seq_id, end)
         except OutOfPages:  # hit pages held by others made the estimate optimistic
@@ -148,9 +144,6 @@ class Scheduler:
             seq.prompt_device_hit_tokens = plan.device_hit_tokens
             seq.prompt_ssd_hit_tokens = plan.ssd_hit_tokens
         seq.admit(plan.hit_tokens, plan.replay_start, self.replay_tokens, self.config.enable_ced)
-        if nothing_to_run:
-            seq.replay_tokens -= seq.num_tokens - seq.num_computed
-            seq.encoder_start = seq.num_computed = seq.num_tokens
         seq.block_table = block_table
         if seq.first_scheduled is None:
             seq.first_scheduled = self._clock()

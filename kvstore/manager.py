@@ -176,7 +176,8 @@ class KVCacheManager:
             hit_tokens=hit,
             device_hit_tokens=device_hit,
             ssd_hit_tokens=hit - device_hit,
-            replay_start=max(0, hit - replay_tokens),
+            # Every token hit (prefill-only): no row to compute, so none to replay.
+            replay_start=n if hit == n else max(0, hit - replay_tokens),
         )
 
     def _load_from_ssd(
