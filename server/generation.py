@@ -22,7 +22,13 @@ from tokenizers import Tokenizer
 from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.request import CompletionOutput, Request, RequestOutput, Usage
 from server.errors import APIError, invalid_parameter, invalid_request, overloaded, unavailable
-from server.handover import ARRIVAL_HEADER, HANDOVER_HEADER, Handover, parse_arrival
+from server.handover import (
+    ARRIVAL_HEADER,
+    HANDOVER_HEADER,
+    Handover,
+    local_time,
+    parse_arrival,
+)
 from server.logprobs import TokenTexts
 from server.metrics import ServerMetrics
 from server.protocol import Usage as ApiUsage
@@ -85,15 +91,21 @@ class Routed:
     """What a router said about a request a decode worker serves."""
 
     handover: Handover | None  # the pages a prefill worker published
-    client_arrival: float | None  # when the router received it (this host's monotonic clock)
+    # On this host's monotonic clock: when the router received the request, and
+    # when the prefill worker's pages were durable.
+    client_arrival: float | None
+    published: float | None
 
 
 def routed_of(ctx: ServingContext, headers: Mapping[str, str]) -> Routed | None:
     """The router's headers, honoured by a decode worker only."""
     if ctx.settings.role != "decode":
         return None
-    arrival = parse_arrival(headers.get(ARRIVAL_HEADER), time.time(), time.monotonic())
-    return Routed(Handover.parse(headers.get(HANDOVER_HEADER)), arrival)
+    now_wall, now = time.time(), time.monotonic()
+    handover = Handover.parse(headers.get(HANDOVER_HEADER))
+    published = local_time(handover.published_at, now_wall, now) if handover else None
+    arrival = parse_arrival(headers.get(ARRIVAL_HEADER), now_wall, now)
+    return Routed(handover, arrival, published)
 
 
 def engine_error(exc: BaseException) -> APIError:
@@ -147,8 +159,7 @@ class Generation:
         self._ctx = ctx
         self._calls = sorted(calls, key=lambda c: c.first_index)
         self._clock = clock
-        self._handover = routed.handover if routed is not None else None
-        self._client_arrival = routed.client_arrival if routed is not None else None
+        self._routed = routed or Routed(None, None, None)
         self._queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
         self._usage: dict[int, Usage] = {}
         self._open = len(calls)
@@ -179,13 +190,13 @@ class Generation:
             first_scheduled=m.first_scheduled_time,
             token_times=token_times,
             finished=m.finished_time if m.finished_time is not None else self._clock(),
-            client_arrival=self._client_arrival,
+            client_arrival=self._routed.client_arrival,
         )
 
     def _observe_handover(self, call: EngineCall, out: RequestOutput) -> None:
         """Handover latency and bytes of a prompt's first call; a fallback when the
         engine restored fewer pages than the prefill worker published."""
-        handover = self._handover
+        handover = self._routed.handover
         if handover is None or call is not self._first_of_group(call.prompt_group):
             return
         stats = self._ctx.engine.stats().kv
@@ -199,10 +210,9 @@ class Generation:
         if usage.prompt_cache_hit_tokens < expected * pt:
             m.fallback("missing_pages")
         m.handover_bytes.observe(usage.prompt_ssd_hit_tokens // pt * stats.ssd.file_bytes)
-        scheduled = out.metrics.first_scheduled_time
-        if scheduled is not None:  # monotonic on this host -> wall clock, to meet the worker's
-            admitted = scheduled + (time.time() - time.monotonic())
-            m.handover_seconds.observe(max(0.0, admitted - handover.published_at))
+        scheduled, published = out.metrics.first_scheduled_time, self._routed.published
+        if scheduled is not None and published is not None:
+            m.handover_seconds.observe(max(0.0, scheduled - published))
 
     def _first_of_group(self, group: int) -> EngineCall:
         return next(c for c in self._calls if c.prompt_group == group)
@@ -242,9 +252,10 @@ class Generation:
                 groups.add(call.prompt_group)
                 prompt += u.prompt_tokens
                 hit = u.prompt_cache_hit_tokens
-                if self._handover is not None:  # pages a prefill worker computed are no hit
+                handover = self._routed.handover
+                if handover is not None:  # pages a prefill worker computed are no hit
                     page_tokens = self._ctx.engine.stats().kv.page_tokens
-                    hit = self._handover.cached_tokens(call.prompt_group, hit, page_tokens)
+                    hit = handover.cached_tokens(call.prompt_group, hit, page_tokens)
                 cached += hit
         return ApiUsage.build(prompt, completion, cached, min(reasoning_tokens, completion))
 

@@ -80,9 +80,15 @@ class Handover:
         return restored_tokens - max(0, min(restored_tokens, published) - hit)
 
 
+def local_time(wall: float, now_wall: float, now_monotonic: float) -> float:
+    """Another host's ``time.time()`` on this host's monotonic clock (the engine's);
+    a time in the future (clock skew) counts as now."""
+    return now_monotonic - max(0.0, now_wall - wall)
+
+
 def parse_arrival(value: str | None, now_wall: float, now_monotonic: float) -> float | None:
-    """The router's arrival time (wall clock) on this host's monotonic clock, or None
-    when absent or malformed. A time in the future (clock skew) counts as now."""
+    """The router's arrival time on this host's monotonic clock, or None when absent
+    or malformed."""
     if not value:
         return None
     try:
@@ -91,4 +97,4 @@ def parse_arrival(value: str | None, now_wall: float, now_monotonic: float) -> f
         return None
     if not math.isfinite(wall):
         return None
-    return now_monotonic - max(0.0, now_wall - wall)
+    return local_time(wall, now_wall, now_monotonic)

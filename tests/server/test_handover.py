@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from server.handover import PREFILL_ROUTES, Handover, parse_arrival
+from server.handover import PREFILL_ROUTES, Handover, local_time, parse_arrival
 
 
 def test_round_trip() -> None:
@@ -77,3 +77,8 @@ def test_the_routers_arrival_on_this_hosts_monotonic_clock() -> None:
     assert parse_arrival("1003.0", now_wall=1000.0, now_monotonic=50.0) == 50.0  # skew: now
     for bad in (None, "", "soon", "nan", "inf"):
         assert parse_arrival(bad, now_wall=1000.0, now_monotonic=50.0) is None
+
+
+def test_another_hosts_time_on_this_hosts_clock() -> None:
+    assert local_time(996.5, now_wall=1000.0, now_monotonic=50.0) == pytest.approx(46.5)
+    assert local_time(1003.0, now_wall=1000.0, now_monotonic=50.0) == 50.0
