@@ -210,16 +210,7 @@ class LLMEngine:
             return
         choices = []
         for index in range(params.n):
-            seq = Sequence(
-                seq_id=next(self._seq_ids),
-                request_id=request.request_id,
-                token_ids=list(request.prompt_token_ids),
-                num_prompt_tokens=len(request.prompt_token_ids),
-                salt=request.cache_salt,
-                priority=request.priority,
-                arrival=request.arrival_time,
-                index=index,
-            )
+            seq = self._sequence(request, request.prompt_token_ids, index)
             detok = None
             if self.tokenizer is not None:
                 detok = IncrementalDetokenizer(
@@ -235,21 +226,27 @@ class LLMEngine:
         self._requests[request.request_id] = _RequestState(request, choices)
         self.counters.requests_added += 1
 
+    def _sequence(
+        self, request: Request, prompt: list[int], index: int, prefill_only: bool = False
+    ) -> Sequence:
+        return Sequence(
+            seq_id=next(self._seq_ids),
+            request_id=request.request_id,
+            token_ids=list(prompt),
+            num_prompt_tokens=len(prompt),
+            salt=request.cache_salt,
+            priority=request.priority,
+            arrival=request.arrival_time,
+            index=index,
+            prefill_only=prefill_only,
+        )
+
     def _add_prefill_only(self, request: Request) -> None:
         """One sequence over the prompt's full pages: the partial last page is the
         decode side's to compute (only full pages are ever handed over)."""
         pt = self.kv.page_tokens
         full = len(request.prompt_token_ids) // pt * pt
-        seq = Sequence(
-            seq_id=next(self._seq_ids),
-            request_id=request.request_id,
-            token_ids=list(request.prompt_token_ids[:full]),
-            num_prompt_tokens=full,
-            salt=request.cache_salt,
-            priority=request.priority,
-            arrival=request.arrival_time,
-            prefill_only=True,
-        )
+        seq = self._sequence(request, request.prompt_token_ids[:full], 0, prefill_only=True)
         state = _RequestState(request, [_Choice(seq, None, None)])
         self._requests[request.request_id] = state
         self.counters.requests_added += 1
