@@ -31,6 +31,7 @@ from engine.engine_config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model.config import ModelConfig
 from engine.model.model import DeepseekV41
+from engine.model.replay import ReplayPlan
 from engine.model_runner import PagedModelRunner
 from engine.request import Request
 from engine.runner import PrefillChunk, StepBatch
@@ -58,10 +59,12 @@ def _manager(config: ModelConfig, tokens: int) -> KVCacheManager:
     return KVCacheManager(layout, layout.page_bytes * (tokens // PAGE + 8))
 
 
-def _sequence(kv: KVCacheManager, tokens: list[int], W: int, ced: bool) -> Sequence:
+def _sequence(
+    kv: KVCacheManager, config: ModelConfig, tokens: list[int], W: int, ced: bool
+) -> Sequence:
     seq = Sequence(seq_id=0, request_id="0", token_ids=list(tokens), num_prompt_tokens=len(tokens))
-    seq.decoder_start = max(0, len(tokens) - W) if ced else 0
-    seq.prefill_end = len(tokens)
+    plan = ReplayPlan.prefill(config, len(tokens), W, ced=ced)
+    seq.admit(plan, plan.decoder_start(config))
     seq.block_table = kv.allocate(0, len(tokens) + 1)
     return seq
 
@@ -83,7 +86,7 @@ def prefill_seconds(model: DeepseekV41, n_tokens: int, ced: bool, chunk: int) ->
     kv = _manager(config, n_tokens)
     runner = PagedModelRunner(model, kv, max_num_seqs=1)
     tokens = torch.randint(3, 120000, (n_tokens,), generator=torch.Generator().manual_seed(1))
-    seq = _sequence(kv, tokens.tolist(), config.sliding_window, ced)
+    seq = _sequence(kv, config, tokens.tolist(), config.sliding_window, ced)
     start = time.perf_counter()
     for c0 in range(0, n_tokens, chunk):
         c1 = min(c0 + chunk, n_tokens)
@@ -98,7 +101,7 @@ def decode_step_seconds(model: DeepseekV41, context: int, steps: int) -> float:
     kv = _manager(config, context + steps)
     runner = PagedModelRunner(model, kv, max_num_seqs=1)
     tokens = torch.randint(3, 120000, (context,), generator=torch.Generator().manual_seed(2))
-    seq = _sequence(kv, tokens.tolist(), config.sliding_window, ced=True)
+    seq = _sequence(kv, config, tokens.tolist(), config.sliding_window, ced=True)
     table = torch.tensor(seq.block_table)
     gen = torch.Generator().manual_seed(3)
     for layer in config.kv_source_layer_ids:

@@ -78,7 +78,7 @@ def bench_restore(tokens: list[int], runs: int, kv_dir: Path, replay_tokens: int
     pool_bytes = (len(tokens) // layout.page_tokens + 8) * layout.page_bytes
     gen = torch.Generator().manual_seed(0)
     with KVCacheManager(layout, pool_bytes, kv_dir=kv_dir, kv_dir_bytes=10**11) as kv:
-        kv.plan_restore("writer", tokens, SALT, replay_tokens)
+        kv.plan_restore("writer", tokens, SALT)
         table = kv.allocate("writer", len(tokens))
         # Random bytes: the tier stores payloads raw, so their content does not matter.
         kv.memory.pages[table] = torch.randint(
@@ -94,7 +94,7 @@ def bench_restore(tokens: list[int], runs: int, kv_dir: Path, replay_tokens: int
         t0 = time.perf_counter()
         kv = KVCacheManager(layout, pool_bytes, kv_dir=kv_dir, kv_dir_bytes=10**11)
         t1 = time.perf_counter()
-        plan = kv.plan_restore("reader", tokens, SALT, replay_tokens)
+        plan = kv.plan_restore("reader", tokens, SALT)
         t2 = time.perf_counter()
         assert plan.ssd_hit_tokens == (len(tokens) - 1) // layout.page_tokens * layout.page_tokens
         assert torch.equal(kv.memory.pages[plan.page_ids], expect[: len(plan.page_ids)])
@@ -124,6 +124,7 @@ def bench_model(tokens: list[int], hit_tokens: int, recompute_runs: int) -> dict
     from engine.model.config import ModelConfig
     from engine.model.engram import build_compressed_vocab
     from engine.model.model import DeepseekV41
+    from engine.model.replay import ReplayPlan
     from engine.model_runner import PagedModelRunner
     from engine.runner import PrefillChunk, StepBatch
     from engine.sequence import Sequence
@@ -142,7 +143,7 @@ def bench_model(tokens: list[int], hit_tokens: int, recompute_runs: int) -> dict
     seq_ids = itertools.count()
 
     def prefill(rid: str, salt: str, chunk: int = 512) -> float:
-        plan = kv.plan_restore(rid, tokens, salt, w)
+        plan = kv.plan_restore(rid, tokens, salt)
         seq = Sequence(
             seq_id=next(seq_ids),
             request_id=rid,
@@ -150,8 +151,8 @@ def bench_model(tokens: list[int], hit_tokens: int, recompute_runs: int) -> dict
             num_prompt_tokens=n,
             salt=salt,
         )
-        seq.stored_tokens, seq.encoder_start = plan.hit_tokens, plan.replay_start
-        seq.decoder_start, seq.prefill_end = max(plan.replay_start, n - w), n
+        replay = ReplayPlan.prefill(cfg, n, w, stored_tokens=plan.hit_tokens)
+        seq.admit(replay, replay.decoder_start(cfg))
         seq.block_table = kv.allocate(rid, n)
         t0 = time.perf_counter()
         for c0 in range(seq.encoder_start, n, chunk):

@@ -118,7 +118,7 @@ def run_window(
     cont = slice(prompt - 1, len(ids) - 1)  # rows predicting the continuation
 
     def run(precision: KVPrecision, plan: ReplayPlan | None = None, stored=None):
-        return forward(model, ids, plan or ReplayPlan.exact(), stored, precision)
+        return forward(model, ids, plan or ReplayPlan.exact(config), stored, precision)
 
     exact = run(EXACT)
     ref_all = exact.logits[:-1]
@@ -136,7 +136,7 @@ def run_window(
 
     def rows_of(out, plan: ReplayPlan) -> torch.Tensor:
         """The continuation rows of a forward whose logits start at the plan's decoder_start."""
-        d0 = plan.decoder_start
+        d0 = plan.logits_start
         return out.logits[cont.start - d0 : cont.stop - d0]
 
     ref_cont = exact.logits[cont]
@@ -152,7 +152,7 @@ def run_window(
         (f"CED, replay W={window}, stored formats", window, STORED),
         (f"CED, replay W={short} (< window: sensitivity check)", short, EXACT),
     ):
-        plan = ReplayPlan.prefill(prompt, W)
+        plan = ReplayPlan.prefill(config, prompt, W)
         b[name].add(rows_of(run(precision, plan), plan), ref_cont, t_cont)
 
     # (c) restore after a prefix hit vs recompute; stored KV as the first request wrote it.
@@ -173,7 +173,7 @@ def run_window(
             EXACT,
         ),
     ):
-        plan = ReplayPlan.prefill(prompt, W, stored_tokens=H)
+        plan = ReplayPlan.prefill(config, prompt, W, stored_tokens=H)
         kv: GlobalKV | None = held[precision] if H else None
         c[name].add(rows_of(run(precision, plan, kv), plan), ref_cont, t_cont)
 

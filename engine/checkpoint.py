@@ -49,6 +49,17 @@ SKIPPED_KINDS: dict[str, tuple[str, ...]] = {
 }
 
 
+# Model tensors an export may leave out, with the value they then take. The
+# release stores ``ffn.gate.bias_vl`` (the router's selection bias for image
+# tokens) for every MoE layer; a text server never routes an image token, so an
+# export without it (older text-only checkpoints, the demo model) loads as zeros.
+OPTIONAL_TENSORS: tuple[re.Pattern[str], ...] = (re.compile(r"layers\.\d+\.ffn\.gate\.bias_vl"),)
+
+
+def optional_tensor(name: str) -> bool:
+    return any(p.fullmatch(name) for p in OPTIONAL_TENSORS)
+
+
 class CheckpointError(ValueError):
     """A checkpoint that does not fit the model; the message names the tensor."""
 
@@ -86,7 +97,7 @@ _FORMAT_RULES: tuple[tuple[re.Pattern[str], WeightFormat], ...] = tuple(
         (r"(.+\.)?\w*norm\.weight", WeightFormat.FP32),
         (_L + r"hc_(attn|ffn)_(fn|base|scale)", WeightFormat.FP32),
         (_L + r"attn\.attn_sink", WeightFormat.FP32),
-        (_L + r"ffn\.gate\.bias", WeightFormat.FP32),
+        (_L + r"ffn\.gate\.bias(_vl)?", WeightFormat.FP32),
         (_L + r"attn\.compressor\.(wkv|wgate)\.weight", WeightFormat.BF16),
         (_L + r"attn\.indexer\.(wk|weights_proj)\.weight", WeightFormat.BF16),
         (_L + r"ffn\.gate\.weight", WeightFormat.BF16),
@@ -248,7 +259,7 @@ def _plan(
             unexpected[0],
             f"unexpected in the checkpoint, no such model tensor ({len(unexpected)} in all)",
         )
-    missing = [name for name in targets if name not in loadable]
+    missing = [name for name in targets if name not in loadable and not optional_tensor(name)]
     if missing:
         raise CheckpointError(
             missing[0],
@@ -258,6 +269,8 @@ def _plan(
 
     entries = []
     for name, target in targets.items():
+        if name not in loadable:  # an optional tensor this export leaves out
+            continue
         fmt = weight_format(name)
         shape = tuple(target.shape)
         dtype, found = shards.header(name)
@@ -399,6 +412,11 @@ def load_checkpoint(
     targets = model.state_dict(keep_vars=True)
     with _Shards(files) as shards, torch.no_grad():
         entries, skipped = _plan(targets, files, shards, decoder_layer)
+        absent = [n for n in targets if optional_tensor(n) and n not in files]
+        for name in absent:
+            targets[name].zero_()
+        if absent:
+            logger.info("checkpoint %s: %d optional tensors absent, zeros", path, len(absent))
         for entry in entries:
             target = targets[entry.name]
             weight = shards.read(entry.name)

@@ -81,17 +81,16 @@ def stored_nbytes(name: str, shape: tuple[int, ...]) -> int:
     return math.prod(weight_shape) + math.prod(scale_shape)
 
 
-def _shard_plan(shapes: dict[str, tuple[int, ...]], shard_bytes: int | None) -> list[list[str]]:
+def _shard_plan(sizes: dict[str, int], shard_bytes: int | None) -> list[list[str]]:
     """Consecutive groups of tensors, each at most ``shard_bytes`` unless one tensor is larger.
 
     A weight and its scale always share a shard.
     """
     if shard_bytes is None:
-        return [list(shapes)]
+        return [list(sizes)]
     shards: list[list[str]] = [[]]
     used = 0
-    for name, shape in shapes.items():
-        size = stored_nbytes(name, shape)
+    for name, size in sizes.items():
         if shards[-1] and used + size > shard_bytes:
             shards.append([])
             used = 0
@@ -108,17 +107,29 @@ def _remove_old_weights(out: Path) -> None:
 
 
 def save_checkpoint(
-    model: nn.Module, config: ModelConfig, out_dir: str | Path, *, shard_bytes: int | None = None
+    model: nn.Module,
+    config: ModelConfig,
+    out_dir: str | Path,
+    *,
+    shard_bytes: int | None = None,
+    extra_tensors: dict[str, torch.Tensor] | None = None,
 ) -> Path:
-    """Write ``config.json`` and the weights; shards plus an index when ``shard_bytes`` is set."""
+    """Write ``config.json`` and the weights; shards plus an index when ``shard_bytes`` is set.
+
+    ``extra_tensors`` are written as they are, beside the model's: tensors of a
+    release that the text model does not hold (DSpark ``mtp.*``, the vision tower).
+    """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "config.json", "w", encoding="utf-8") as f:
         json.dump(config.to_dict(), f, indent=2, ensure_ascii=False)
         f.write("\n")
     _remove_old_weights(out)
-    state = model.state_dict()
-    plan = _shard_plan({name: tuple(t.shape) for name, t in state.items()}, shard_bytes)
+    state = dict(model.state_dict())
+    extras = dict(extra_tensors or {})
+    sizes = {name: stored_nbytes(name, tuple(t.shape)) for name, t in state.items()}
+    sizes |= {name: t.numel() * t.element_size() for name, t in extras.items()}
+    plan = _shard_plan(sizes, shard_bytes)
     weight_map: dict[str, str] = {}
     total = 0
     for i, names in enumerate(plan):
@@ -129,7 +140,10 @@ def save_checkpoint(
         )
         tensors: dict[str, torch.Tensor] = {}
         for name in names:
-            tensors.update(encode_tensor(name, state[name]))
+            if name in extras:
+                tensors[name] = extras[name].contiguous()
+            else:
+                tensors.update(encode_tensor(name, state[name]))
         save_file(tensors, out / file, metadata={"format": "pt"})
         for stored, tensor in tensors.items():
             weight_map[stored] = file
@@ -198,6 +212,15 @@ def make_tiny(out_dir: str | Path, seed: int = 0, *, shard_bytes: int | None = N
     config = ModelConfig.tiny()
     model = DeepseekV41(config)
     model.init_weights(torch.Generator().manual_seed(seed))
-    out = save_checkpoint(model, config, out_dir, shard_bytes=shard_bytes)
+    # One tensor of every kind a release holds that the text model skips by rule,
+    # so loading the tiny checkpoint exercises each rule (names as the release's).
+    extras = {
+        "mtp.0.attn.wq_a.weight": torch.zeros(4, 4, dtype=torch.bfloat16),
+        "mtp.0.norm.weight": torch.ones(4),
+        "vision.blocks.0.attn.qkv.weight": torch.zeros(6, 2, dtype=torch.bfloat16),
+        "aligner.layers.0.weight": torch.zeros(2, 2, dtype=torch.bfloat16),
+        "image_newline": torch.zeros(4, dtype=torch.bfloat16),
+    }
+    out = save_checkpoint(model, config, out_dir, shard_bytes=shard_bytes, extra_tensors=extras)
     write_tiny_tokenizer(out, config)
     return out

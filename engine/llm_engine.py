@@ -17,8 +17,9 @@ from tokenizers import Tokenizer
 
 from engine.detokenizer import IncrementalDetokenizer, check_stop_token
 from engine.engine_config import EngineConfig
+from engine.model.config import ModelConfig
+from engine.model.dense_backend import KVPrecision
 from engine.model.model import DeepseekV41
-from engine.model.reference import KVPrecision
 from engine.request import (
     CompletionOutput,
     Request,
@@ -35,8 +36,6 @@ from engine.sequence import Sequence, SequenceStatus
 from kvstore.layout import kv_layout
 from kvstore.manager import KVCacheManager
 from kvstore.stats import KVStats
-
-EOS_TOKEN_ID = 1  # the DeepSeek tokenizer's EOS (ARCHITECTURE 1.1)
 
 
 @dataclass(slots=True)
@@ -100,14 +99,19 @@ class LLMEngine:
         runner: ModelRunner,
         kv: KVCacheManager,
         *,
-        vocab_size: int,
-        sliding_window: int,
-        max_position_embeddings: int,
+        model_config: ModelConfig,
+        vocab_size: int | None = None,
+        max_position_embeddings: int | None = None,
         tokenizer: Tokenizer | None = None,
-        eos_token_id: int | None = EOS_TOKEN_ID,
+        eos_token_id: int | None = None,
         clock: Callable[[], float] = time.monotonic,
         encoder_only: bool = False,
     ) -> None:
+        # Special tokens, vocabulary and context come from the model's config; tests
+        # with a model-free runner may narrow the vocabulary or the context.
+        eos_token_id = model_config.eos_token_id if eos_token_id is None else eos_token_id
+        vocab_size = vocab_size or model_config.vocab_size
+        max_position_embeddings = max_position_embeddings or model_config.max_position_embeddings
         self.config = config
         # A prefill worker's model has no decoder layers: only prefill-only requests run.
         self.encoder_only = encoder_only
@@ -117,8 +121,10 @@ class LLMEngine:
         self.eos_token_id = eos_token_id
         self.vocab_size = vocab_size
         self.max_model_len = config.max_model_len or max_position_embeddings
-        self.replay_tokens = config.replay_window(sliding_window)
-        self.scheduler = Scheduler(config, kv, self.replay_tokens, runner.release, clock)
+        self.replay_tokens = config.replay_window(model_config.sliding_window)
+        self.scheduler = Scheduler(
+            config, kv, model_config, self.replay_tokens, runner.release, clock
+        )
         self.sampler = Sampler(eos_token_id)
         self.counters = EngineCounters()
         self._clock = clock
@@ -134,7 +140,7 @@ class LLMEngine:
         *,
         tokenizer: Tokenizer | None = None,
         model_id: str = "",
-        eos_token_id: int | None = EOS_TOKEN_ID,
+        eos_token_id: int | None = None,
     ) -> LLMEngine:
         """KV cache manager and runner for ``model`` as ``config`` asks."""
         mc = model.config
@@ -161,9 +167,7 @@ class LLMEngine:
             config,
             runner,
             kv,
-            vocab_size=mc.vocab_size,
-            sliding_window=mc.sliding_window,
-            max_position_embeddings=mc.max_position_embeddings,
+            model_config=mc,
             tokenizer=tokenizer,
             eos_token_id=eos_token_id,
             encoder_only=model.encoder_only,

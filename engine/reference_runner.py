@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import torch
 
+from engine.model.dense_backend import GlobalKV, KVPrecision
 from engine.model.model import DeepseekV41
-from engine.model.reference import GlobalKV, KVPrecision, ReplayPlan, forward
+from engine.model.reference import forward
+from engine.model.replay import ReplayPlan
 from engine.runner import StepBatch
 from engine.sequence import Sequence
 from kernels.kv_formats import (
@@ -52,13 +54,15 @@ class ReferenceRunner:
     def execute(self, batch: StepBatch) -> dict[int, torch.Tensor]:
         out: dict[int, torch.Tensor] = {}
         for seq in batch.decodes:
-            out[seq.seq_id] = self._run(seq, seq.num_tokens)
+            logits = self._run(seq, seq.num_tokens)
+            assert logits is not None, "a decode row runs every layer"
+            out[seq.seq_id] = logits
         for chunk in batch.prefills:
             seq = chunk.seq
             if not chunk.last or chunk.end <= seq.stored_tokens:
                 continue  # earlier chunks only mark progress; a full hit has nothing to run
             logits = self._run(seq, chunk.end)
-            if not seq.prefill_only:
+            if logits is not None and not seq.prefill_only:
                 out[seq.seq_id] = logits
         return out
 
@@ -66,12 +70,11 @@ class ReferenceRunner:
         self._written.pop(seq.seq_id, None)
 
     # ------------------------------------------------------------ internals
-    def _run(self, seq: Sequence, n: int) -> torch.Tensor:
-        """Logits of row ``n - 1`` under ``seq``'s plan; new global KV into its pages."""
+    def _run(self, seq: Sequence, n: int) -> torch.Tensor | None:
+        """Logits of row ``n - 1`` under ``seq``'s plan (None for a prefill-only plan,
+        which runs no row past layer B); new global KV into its pages."""
         H = seq.stored_tokens
-        # A prefill-only plan has no decoder row; the dense forward runs one whose
-        # output is dropped (decoder layers write no global KV).
-        plan = ReplayPlan(H, seq.encoder_start, min(seq.decoder_start, n - 1))
+        plan = ReplayPlan(H, seq.layer_starts)
         stored = self._read(seq, H) if H else None
         device = self.model.embed.weight.device
         ids = torch.tensor(seq.token_ids[:n], device=device)
@@ -82,7 +85,7 @@ class ReferenceRunner:
             if last > first:
                 self._write(seq, layer, first, result.global_kv, last)
         self._written[seq.seq_id] = n
-        return result.logits[-1].float()
+        return result.logits[-1].float() if result.logits.shape[0] else None
 
     def _slots(self, seq: Sequence, pages: SourcePages, first: int, last: int):
         entries = torch.arange(first, last)

@@ -8,8 +8,8 @@ per prefill) and a cap on admitted sequences:
 2. continue running prefills, one chunk of at most ``prefill_chunk_tokens``
    rows each;
 3. admit waiting sequences in order (priority, then arrival): the KV store
-   plans the restore (device hit, SSD hit, replay start), the sequence's plan
-   is fixed, and its first chunk is scheduled.
+   finds the cached prefix (device hit, SSD hit), the sequence's replay plan
+   is fixed (``engine.model.replay``), and its first chunk is scheduled.
 
 Pages are allocated as chunks and decodes need them. When the pool runs out,
 the newest running sequence (last in scheduling order) is preempted: its pages
@@ -26,6 +26,8 @@ import time
 from collections.abc import Callable
 
 from engine.engine_config import EngineConfig
+from engine.model.config import ModelConfig
+from engine.model.replay import ReplayPlan
 from engine.runner import PrefillChunk, StepBatch
 from engine.sequence import Sequence, SequenceStatus
 from kvstore.block_pool import OutOfPages
@@ -39,12 +41,14 @@ class Scheduler:
         self,
         config: EngineConfig,
         kv: KVCacheManager,
+        model_config: ModelConfig,
         replay_tokens: int,
         release: Callable[[Sequence], None],
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
         self.kv = kv
+        self.model_config = model_config
         self.replay_tokens = replay_tokens
         self._release = release  # the runner's: drop a sequence's SWA / compressor state
         self._clock = clock
@@ -125,25 +129,29 @@ class Scheduler:
         # admitting without them would only start work that preemption throws away.
         if self.pages_needed(seq.num_tokens) > self.kv.pool.num_available:
             return None
-        plan = self.kv.plan_restore(
-            seq.seq_id,
-            seq.token_ids,
-            seq.salt,
+        hit = self.kv.plan_restore(
+            seq.seq_id, seq.token_ids, seq.salt, need_logits=not seq.prefill_only
+        )
+        plan = ReplayPlan.prefill(
+            self.model_config,
+            seq.num_tokens,
             self.replay_tokens,
+            stored_tokens=hit.hit_tokens,
+            ced=self.config.enable_ced,
             need_logits=not seq.prefill_only,
         )
         # A prefill-only sequence whose every page hit gets a chunk of no rows.
-        end = min(seq.num_tokens, plan.replay_start + self._chunk(budget))
+        end = min(seq.num_tokens, plan.encoder_start + self._chunk(budget))
         try:
             block_table = self.kv.allocate(seq.seq_id, end)
         except OutOfPages:  # hit pages held by others made the estimate optimistic
             self.kv.free(seq.seq_id)
             return None
         if seq.num_admissions == 0:
-            seq.prompt_hit_tokens = plan.hit_tokens
-            seq.prompt_device_hit_tokens = plan.device_hit_tokens
-            seq.prompt_ssd_hit_tokens = plan.ssd_hit_tokens
-        seq.admit(plan.hit_tokens, plan.replay_start, self.replay_tokens, self.config.enable_ced)
+            seq.prompt_hit_tokens = hit.hit_tokens
+            seq.prompt_device_hit_tokens = hit.device_hit_tokens
+            seq.prompt_ssd_hit_tokens = hit.ssd_hit_tokens
+        seq.admit(plan, plan.decoder_start(self.model_config))
         seq.block_table = block_table
         if seq.first_scheduled is None:
             seq.first_scheduled = self._clock()

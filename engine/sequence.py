@@ -14,6 +14,7 @@ from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from engine.model.replay import ReplayPlan
 from kvstore.page_hash import Salt
 
 
@@ -57,11 +58,12 @@ class Sequence:
     Compared by identity: two choices with equal tokens are still two sequences.
 
     Plan of the current admission (docs/design/semantics.md): ``stored_tokens``
-    (H) tokens of global KV came from the store; the encoder runs rows
-    ``[encoder_start, prefill_end)`` (e0); the decoder rows
-    ``[decoder_start, prefill_end)`` (d0). ``num_computed`` counts rows the runner
-    has processed: it starts at e0 and reaches ``prefill_end`` when the prefill's
-    last chunk runs; each decode step then adds one.
+    (H) tokens of global KV came from the store; layer ``l`` runs rows from
+    ``layer_starts[l]`` on (``engine.model.replay.ReplayPlan``): the pass starts at
+    ``encoder_start`` (e0), the decoder at ``decoder_start`` (d0).
+    ``num_computed`` counts rows the runner has processed: it starts at e0 and
+    reaches ``prefill_end`` when the prefill's last chunk runs; each decode step
+    then adds one.
     """
 
     seq_id: int
@@ -77,6 +79,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     # Plan of the current admission.
     stored_tokens: int = 0
+    layer_starts: tuple[int, ...] = ()
     encoder_start: int = 0
     decoder_start: int = 0
     prefill_end: int = 0
@@ -137,25 +140,23 @@ class Sequence:
         return (self.priority, self.arrival, self.seq_id)
 
     # ------------------------------------------------------------ transitions
-    def admit(self, hit_tokens: int, replay_start: int, replay_tokens: int, ced: bool) -> None:
+    def admit(self, plan: ReplayPlan, decoder_start: int) -> None:
         """Fix this admission's plan: the one prefill rule of docs/design/semantics.md."""
-        L = self.num_tokens
-        e0 = replay_start
-        self.stored_tokens = hit_tokens
-        self.encoder_start = e0
-        self.decoder_start = max(e0, L - replay_tokens) if ced else e0
-        if self.prefill_only:  # nothing reads logits: no row goes past the boundary
-            self.decoder_start = L
-        self.prefill_end = L
-        self.num_computed = e0
+        self.stored_tokens = plan.stored_tokens
+        self.layer_starts = plan.starts
+        self.encoder_start = plan.encoder_start
+        self.decoder_start = decoder_start
+        self.prefill_end = self.num_tokens
+        self.num_computed = plan.encoder_start
         self.status = SequenceStatus.RUNNING
         self.num_admissions += 1
-        self.replay_tokens += hit_tokens - e0
+        self.replay_tokens += max(0, plan.stored_tokens - plan.encoder_start)
 
     def reset_for_preemption(self) -> None:
         """Back to waiting; outputs so far are kept and become part of the next prompt."""
         self.status = SequenceStatus.WAITING
         self.block_table = []
         self.stored_tokens = self.encoder_start = self.decoder_start = 0
+        self.layer_starts = ()
         self.prefill_end = self.num_computed = 0
         self.num_preemptions += 1

@@ -2,9 +2,9 @@
 
 Lifecycle of a request, as the engine drives it:
 
-    plan = kv.plan_restore(rid, prompt_ids, salt, replay_tokens=W)   # prefix from either tier
+    plan = kv.plan_restore(rid, prompt_ids, salt)                   # prefix from either tier
     table = kv.allocate(rid, len(prompt_ids))                       # grow to cover the prompt
-    ... run the prefill from plan.replay_start, writing global KV at >= plan.hit_tokens ...
+    ... run the prefill (the engine's replay plan), writing global KV at >= plan.hit_tokens ...
     kv.commit_full_pages(rid, ids_with_kv_written, salt)           # after each step
     kv.free(rid)                                                    # finished or preempted
 
@@ -35,9 +35,9 @@ class RestorePlan:
     """What a request finds in the cache and what the engine still has to run.
 
     ``page_ids`` are the request's block table for ``[0, hit_tokens)``, already
-    resident on the device. Semantics (docs/design/semantics.md): the encoder
-    runs rows ``[replay_start, num_tokens)``; global KV is written only for
-    entries whose group starts at or after ``hit_tokens``.
+    resident on the device. Global KV is written only for entries whose group
+    starts at or after ``hit_tokens``; which rows the engine replays below it
+    is the model's business (docs/design/semantics.md).
     """
 
     request_id: Hashable
@@ -46,17 +46,11 @@ class RestorePlan:
     hit_tokens: int
     device_hit_tokens: int
     ssd_hit_tokens: int
-    replay_start: int
 
     @property
     def miss_tokens(self) -> int:
         """Tokens whose global KV must be computed (the API's cache-miss tokens)."""
         return self.num_tokens - self.hit_tokens
-
-    @property
-    def compute_tokens(self) -> int:
-        """Rows the prefill runs: the replayed window plus the miss tokens."""
-        return self.num_tokens - self.replay_start
 
 
 @dataclass(slots=True)
@@ -119,7 +113,6 @@ class KVCacheManager:
         request_id: Hashable,
         token_ids: Sequence[int],
         salt: Salt,
-        replay_tokens: int,
         *,
         need_logits: bool = True,
     ) -> RestorePlan:
@@ -176,8 +169,6 @@ class KVCacheManager:
             hit_tokens=hit,
             device_hit_tokens=device_hit,
             ssd_hit_tokens=hit - device_hit,
-            # Every token hit (prefill-only): no row to compute, so none to replay.
-            replay_start=n if hit == n else max(0, hit - replay_tokens),
         )
 
     def _load_from_ssd(

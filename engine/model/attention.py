@@ -1,20 +1,26 @@
-"""Attention projections of a V4.1 layer (ARCHITECTURE 1.4).
+"""Attention of a V4.1 layer (ARCHITECTURE 1.4) and its CSA2 role (ARCHITECTURE 1.2).
 
-The module owns the weights and the per-token projections; which keys a query
-sees (SWA window, compressed top-k) is decided by the caller (the dense
-reference or the engine), which then runs ``sink_attention`` or a kernel held
-to it. Attribute names are the checkpoint's: ``layers.L.attn.<name>``.
+Every layer writes its own SWA KV; a kv source also compresses its rows into
+global KV and index keys (``store_kv``). The query side (``forward``) picks the
+compressed entries a row attends to by the layer's role: none (SWA only), its
+own top-k (Full, Reindex) or its index source's (Reuse). Where the bytes live
+and which kernel attends is the ``KVBackend``'s business. Attribute names are
+the checkpoint's: ``layers.L.attn.<name>``.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.model.candidates import candidate_block_mask, select_topk
 from engine.model.compressor import Compressor
-from engine.model.config import ModelConfig
+from engine.model.config import LayerRole, ModelConfig
 from engine.model.indexer import Indexer
+from engine.model.kv_backend import KVBackend
 from engine.model.norm import RMSNorm
 from engine.model.precision import upcast
 from engine.model.rope import rope_inv_freq, rope_tail
@@ -45,12 +51,40 @@ class GroupedLinear(nn.Module):
         return torch.einsum("...gi,goi->...go", upcast(x), w)
 
 
+@dataclass(slots=True)
+class Selections:
+    """CSA2 state of one forward, row-aligned with the rows in flight.
+
+    ``topk[l]``: the entries index source ``l`` picked ([T, index_topk], -1 padded),
+    which its Reuse layers attend to; ``candidates``: the candidate source's block
+    mask, which every later index source scores inside. ``trace`` (tests only)
+    receives per layer the positions, picks and candidates.
+    """
+
+    topk: dict[int, torch.Tensor] = field(default_factory=dict)
+    candidates: torch.Tensor | None = None
+    trace: dict[str, dict[int, torch.Tensor]] | None = None
+
+    def keep(self, rows: torch.Tensor) -> None:
+        """Follow the backend's row cut."""
+        self.topk = {l: t[rows] for l, t in self.topk.items()}
+        if self.candidates is not None:
+            self.candidates = self.candidates[rows]
+
+
 class Attention(nn.Module):
     """``layers.L.attn``: MQA over one 512-d latent with K = V, a sink per head."""
 
     def __init__(self, config: ModelConfig, layer_id: int) -> None:
         super().__init__()
         self.layer_id = layer_id
+        self.role = config.role(layer_id)
+        self.kv_source = config.kv_source(layer_id) if self.role is not LayerRole.SWA_ONLY else None
+        self.index_source = config.index_source(layer_id)
+        self.candidate_source = config.candidate_source_layer_id
+        self.index_topk = config.index_topk
+        self.candidate_block_size = config.candidate_block_size
+        self.candidate_topk_blocks = config.candidate_topk_blocks
         dim, heads, head_dim = config.hidden_size, config.num_attention_heads, config.head_dim
         self.n_heads = heads
         self.head_dim = head_dim
@@ -103,3 +137,65 @@ class Attention(nn.Module):
         o = rope_tail(upcast(o), positions, self.inv_freq, inverse=True)
         grouped = self.wo_a(o.reshape(o.shape[0], self.o_groups, -1))
         return _linear32(grouped.flatten(1), self.wo_b).to(dtype)
+
+    # ------------------------------------------------------------ forward
+    def store_kv(self, x: torch.Tensor, kv: KVBackend) -> None:
+        """Write this layer's KV for every row in flight: its SWA key/value and, at a
+        kv source, the compressed entries of every group that completes."""
+        pos = kv.positions
+        kv.store_swa(self.layer_id, self.project_kv(x, pos))
+        if self.compressor is None:
+            return
+        ratio = self.compressor.ratio
+        rows, entry_ids = kv.compressor_groups(self.layer_id, self.compressor.project(x), ratio)
+        if entry_ids.numel() == 0:
+            return
+        latent = self.compressor.combine(rows, x.dtype)  # un-RoPE'd
+        entry_pos = entry_ids * ratio  # each entry sits at its group's first position
+        assert self.indexer is not None, "every kv source is an index source"
+        kv.store_global(
+            self.layer_id,
+            entry_ids,
+            rope_tail(latent, entry_pos, self.inv_freq),
+            self.indexer.keys(latent, entry_pos),
+        )
+
+    def forward(self, x: torch.Tensor, kv: KVBackend, sel: Selections) -> torch.Tensor:
+        """The query side: ``x`` [T, D] (attention input) -> output [T, D]."""
+        pos = kv.positions
+        q, qr = self.project_q(x, pos)
+        if self.role is LayerRole.SWA_ONLY:
+            picked = None
+        elif self.role is LayerRole.REUSE:
+            picked = sel.topk[self.index_source]
+        else:
+            picked = self._pick(qr, x, pos, kv, sel)
+        if sel.trace is not None and picked is not None:
+            sel.trace.setdefault("topk", {})[self.layer_id] = picked
+            sel.trace.setdefault("pos", {})[self.layer_id] = pos
+            if sel.candidates is not None:
+                sel.trace.setdefault("candidates", {})[self.layer_id] = sel.candidates
+        o = kv.attend(self.layer_id, q, self.kv_source, picked, self.attn_sink, self.softmax_scale)
+        return self.project_out(o, pos)
+
+    def _pick(
+        self, qr: torch.Tensor, x: torch.Tensor, pos: torch.Tensor, kv: KVBackend, sel: Selections
+    ) -> torch.Tensor:
+        """An index source's own top-k (Full, Reindex), published for its Reuse layers.
+
+        The candidate source scores densely and publishes its candidate blocks;
+        every index source after it picks only inside them.
+        """
+        assert self.indexer is not None and self.kv_source is not None
+        qi, w = self.indexer.queries(qr, x, pos)
+        scores, visible = kv.index_scores(self.kv_source, qi, w)
+        allowed = visible
+        if sel.candidates is not None and self.layer_id > self.candidate_source:
+            allowed = visible & sel.candidates
+        if self.layer_id == self.candidate_source:
+            sel.candidates = candidate_block_mask(
+                scores, visible, self.candidate_block_size, self.candidate_topk_blocks
+            )
+        picked = select_topk(scores, allowed, self.index_topk)
+        sel.topk[self.layer_id] = picked
+        return picked

@@ -52,16 +52,20 @@ class Compressor(nn.Module):
             return a
         return torch.cat((a, F.linear(x32, upcast(self.wgate.weight))), dim=-1)
 
-    def combine(self, rows: torch.Tensor) -> torch.Tensor:
-        """Latents [k, head_dim] (fp32) from ``k * ratio`` consecutive complete-group rows."""
+    def combine(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Latents [k, head_dim] in ``dtype`` from ``k * ratio`` consecutive complete-group rows.
+
+        The pooling runs in fp32; its result is rounded to the model's dtype
+        before the norm, where the release rounds it.
+        """
         assert rows.shape[0] % self.ratio == 0, (rows.shape, self.ratio)
         rows = upcast(rows)
         if self.ratio == 1:
-            return self.norm(rows)
+            return self.norm(rows.to(dtype))
         pairs = rows.view(-1, 2, 2 * self.head_dim)
         a, g = pairs[..., : self.head_dim], pairs[..., self.head_dim :]
         weights = torch.softmax(g, dim=1)  # per channel, over the two tokens of the group
-        return self.norm((weights * a).sum(dim=1))
+        return self.norm((weights * a).sum(dim=1).to(dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Latents of the complete groups of ``x`` [T, D] (T // ratio rows, x's dtype).
@@ -70,4 +74,4 @@ class Compressor(nn.Module):
         pending state, not an entry, so it is dropped here.
         """
         complete = x.shape[0] // self.ratio * self.ratio
-        return self.combine(self.project(x[:complete])).to(x.dtype)
+        return self.combine(self.project(x[:complete]), x.dtype)

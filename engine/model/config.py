@@ -43,9 +43,10 @@ def engram_table_primes(
 ) -> list[list[int]]:
     """Engram hash moduli, one list of ``len(orders) * n_heads`` primes per Engram layer.
 
-    ARCHITECTURE 1.9 and Part 3: for every (layer, order) the walk restarts at
-    ``vocab_size - 1`` and goes upward; a prime is never used twice, across orders
-    and layers. A layer's table has ``sum(primes)`` rows; the official config's
+    For every (layer, order) the walk restarts just above ``vocab_size - 1``:
+    the first candidate is ``vocab_size`` itself, as in the release's layout
+    (its search starts one past ``vocab_size - 1``). A prime is never used twice,
+    across orders and layers. A layer's table has ``sum(primes)`` rows; the official config's
     ``engram_num_embeddings`` [384006168, 384016682] follow from this rule.
     """
     return [list(p) for p in _engram_table_primes(vocab_size, n_layers, tuple(orders), n_heads)]
@@ -60,7 +61,7 @@ def _engram_table_primes(
     for _ in range(n_layers):
         primes: list[int] = []
         for _order in orders:
-            candidate = vocab_size - 1
+            candidate = vocab_size
             for _head in range(n_heads):
                 while not _is_prime(candidate) or candidate in used:
                     candidate += 1
@@ -104,6 +105,11 @@ class ModelConfig:
     """Every field of the official V4.1 ``text_config`` (names as in config.json)."""
 
     vocab_size: int = 129280
+    # Special tokens of the DeepSeek tokenizer. The released config.json names
+    # none; a checkpoint whose config.json does (text_config or top level) wins.
+    bos_token_id: int = 0
+    eos_token_id: int = 1
+    pad_token_id: int = 2
     hidden_size: int = 5120
     moe_intermediate_size: int = 2304
     num_hidden_layers: int = 40

@@ -122,29 +122,38 @@ def engram_hash_rows(compressed: torch.Tensor, config: ModelConfig, layer_id: in
 
     ``compressed [T + max_ngram - 1]`` holds the classes of the positions, the
     first ``max_ngram - 1`` entries being the history before the first one
-    (the pad class for positions < 0). For an n-gram ending at ``t``:
-    ``h = XOR_{k < n} class[t - k] * mult[k]``; row = ``h % prime + offset``.
+    (the pad class for positions < 0).
+    """
+    n = config.engram_max_ngram_size
+    assert compressed.shape[0] >= n - 1, "compressed ids must include max_ngram_size - 1 history"
+    return engram_hash_windows(compressed.long().unfold(0, n, 1), config, layer_id)
+
+
+def engram_hash_windows(windows: torch.Tensor, config: ModelConfig, layer_id: int) -> torch.Tensor:
+    """Table rows ``[T, n_orders * n_heads]`` of positions whose last ``max_ngram`` classes
+    are ``windows [T, max_ngram]`` (the position's own class last).
+
+    For an n-gram ending at ``t``: ``h = XOR_{k < n} class[t - k] * mult[k]``;
+    row = ``h % prime + offset``.
     """
     n = config.engram_max_ngram_size
     n_heads = config.engram_n_heads
-    T = compressed.shape[0] - (n - 1)
-    assert T >= 0, "compressed ids must include max_ngram_size - 1 history entries"
-    classes = compressed.long()
+    classes = windows.long()
+    assert classes.shape[1:] == (n,), (classes.shape, n)
     assert classes.numel() == 0 or (
         int(classes.min()) >= 0 and int(classes.max()) < config.engram_compressed_vocab_size
     ), "compressed class out of range: the multiplier bound assumes class < compressed vocab"
     mult = engram_multipliers(layer_id, n, config.engram_compressed_vocab_size)
     primes = engram_layer_primes(config, layer_id)
-    device = compressed.device
+    device = windows.device
     prime_t = torch.tensor(primes, dtype=torch.long, device=device).view(n - 1, n_heads)
     offset_t = torch.tensor(engram_offsets(primes), dtype=torch.long, device=device).view(
         n - 1, n_heads
     )
-    rolling = torch.zeros(T, dtype=torch.long, device=device)
+    rolling = torch.zeros(classes.shape[0], dtype=torch.long, device=device)
     columns = []
     for k in range(n):  # look-back k; after it, `rolling` hashes the (k+1)-gram
-        start = n - 1 - k
-        rolling = rolling ^ (classes[start : start + T] * mult[k])
+        rolling = rolling ^ (classes[:, n - 1 - k] * mult[k])
         if k >= 1:
             columns.append(rolling[:, None] % prime_t[k - 1] + offset_t[k - 1])
     return torch.cat(columns, dim=-1)

@@ -16,6 +16,7 @@ from engine.model.config import ModelConfig
 from engine.model.norm import RMSNorm
 from engine.model.precision import upcast
 from engine.model.rope import rope_inv_freq, rope_tail
+from kernels.kv_formats import fake_quant_index_key
 
 
 def indexer_scores(qi: torch.Tensor, w: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -62,13 +63,20 @@ class Indexer(nn.Module):
     def queries(
         self, qr: torch.Tensor, x: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(qi [T, h, index_head_dim] RoPE'd at ``positions``, head weights w [T, h] fp32).
+        """(qi [T, h, index_head_dim], head weights w [T, h] fp32).
+
+        ``qi`` is RoPE'd at ``positions`` and MXFP4-rounded.
 
         ``qr`` is the attention's normed query latent, ``x`` the attention input.
         ``w`` folds in ``index_head_dim^-0.5 * index_n_heads^-0.5``.
         """
         qi = F.linear(upcast(qr), upcast(self.wq_b.weight)).view(-1, self.n_heads, self.head_dim)
         qi = rope_tail(qi, positions, self.inv_freq).to(qr.dtype)
+        # The release quantises the query like the keys (MXFP4, one power-of-two
+        # scale per 32) before scoring: the trained top-k is that of quantised scores.
+        # Training passes the gradient straight through the rounding.
+        quantised = fake_quant_index_key(qi)
+        qi = qi + (quantised - qi).detach() if qi.requires_grad else quantised
         w = F.linear(upcast(x), upcast(self.weights_proj.weight)) * self.weight_scale
         return qi, w
 

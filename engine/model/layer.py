@@ -5,20 +5,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.model.attention import Attention
+from engine.model.attention import Attention, Selections
 from engine.model.config import ModelConfig
 from engine.model.engram import Engram
-from engine.model.mhc import hc_coefficients
+from engine.model.kv_backend import KVBackend
+from engine.model.mhc import hc_coefficients, hc_collapse, hc_mix
 from engine.model.moe import MoE
 from engine.model.norm import RMSNorm
 
 
 class Block(nn.Module):
-    """Layer ``layer_id``: parameters under their official checkpoint names.
-
-    The forward logic lives in ``reference.py`` (dense) and the engine's model
-    runner (paged); both call the same sub-modules so they cannot drift apart.
-    """
+    """Layer ``layer_id``: parameters under their official checkpoint names."""
 
     def __init__(self, config: ModelConfig, layer_id: int) -> None:
         super().__init__()
@@ -63,3 +60,36 @@ class Block(nn.Module):
             sinkhorn_iters=self._sinkhorn_iters,
             norm_eps=self._norm_eps,
         )
+
+    def forward(
+        self,
+        R: torch.Tensor,
+        pre: torch.Tensor,
+        token_rows: torch.Tensor | None,
+        kv: KVBackend,
+        sel: Selections,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Residual streams ``R`` [T, hc, D] and the previous sublayer's ``pre`` [T, hc]
+        -> the same for the rows the next layer needs.
+
+        ``token_rows``: the Engram table rows of every row in flight (Engram
+        layers only). The attention input collapses with the previous sublayer's
+        ``pre``, the FFN input with the attention's; the FFN's is carried on.
+        """
+        if self.engram is not None:
+            assert token_rows is not None
+            R = self.engram(R, token_rows)
+        pre_a, post_a, comb_a = self.hc_attn(R)
+        x = self.attn_norm(hc_collapse(R, pre))
+        self.attn.store_kv(x, kv)
+        keep = kv.keep_rows(self.layer_id)
+        if keep is not None:  # the replay plan's cut: only these rows go on
+            R, x, pre_a, post_a, comb_a = R[keep], x[keep], pre_a[keep], post_a[keep], comb_a[keep]
+            sel.keep(keep)
+        if R.shape[0] == 0:
+            return R, pre_a
+        R = hc_mix(R, self.attn(x, kv, sel), post_a, comb_a)
+        pre_f, post_f, comb_f = self.hc_ffn(R)
+        x = self.ffn_norm(hc_collapse(R, pre_a))
+        R = hc_mix(R, self.ffn(x), post_f, comb_f)
+        return R, pre_f

@@ -1,19 +1,24 @@
-"""The DeepSeek-V4.1-Flash text model: parameters under their official names.
+"""The DeepSeek-V4.1-Flash text model: parameters under their official names, one forward.
 
-``DeepseekV41`` owns the weights. How they are applied lives in
-``reference.py`` (the dense oracle) and in the engine's model runner, which
-share every sub-module (attention projections, compressor, indexer, MoE, mHC).
+``DeepseekV41.forward`` is the only layer loop. Where KV lives and which
+kernels attend comes from a ``KVBackend`` (``kv_backend.py``): the dense one in
+``dense_backend.py`` (the oracle and the training path) or the engine's paged one.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from engine.model.attention import Selections
 from engine.model.config import ModelConfig
-from engine.model.engram import engram_hash_rows
+from engine.model.engram import engram_hash_rows, engram_hash_windows
+from engine.model.kv_backend import KVBackend
 from engine.model.layer import Block
+from engine.model.mhc import hc_collapse, hc_initial_pre
 from engine.model.norm import RMSNorm
+from engine.model.precision import upcast
 
 
 class DeepseekV41(nn.Module):
@@ -74,6 +79,13 @@ class DeepseekV41(nn.Module):
             classes = torch.cat([pad.expand(missing), classes])
         return engram_hash_rows(classes, self.config, layer_id)
 
+    def engram_window_rows(self, windows: torch.Tensor, layer_id: int) -> torch.Tensor:
+        """Engram table rows of rows whose last n token ids are ``windows`` [T, n]
+        (-1 before the sequence start: the pad token's class)."""
+        classes = self.engram_vocab_map[windows.clamp(min=0)]
+        pad = self.engram_vocab_map[self.config.engram_pad_token_id]
+        return engram_hash_windows(torch.where(windows < 0, pad, classes), self.config, layer_id)
+
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator, std: float | None = None) -> None:
         """Deterministic random init for tiny demo checkpoints and tests.
@@ -87,14 +99,41 @@ class DeepseekV41(nn.Module):
             leaf = name.rsplit(".", 1)[-1]
             if name.endswith("norm.weight") or leaf.endswith("_scale"):
                 p.fill_(1.0)
-            elif leaf in ("bias", "attn_sink") or leaf.endswith("_base"):
+            elif leaf in ("bias", "bias_vl", "attn_sink") or leaf.endswith("_base"):
                 p.zero_()
             else:
                 noise = torch.randn(p.shape, generator=generator, dtype=torch.float32)
                 p.copy_(noise * std)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Logits of every position under the exact semantics (ARCHITECTURE 2.1.1)."""
-        from engine.model.reference import forward_exact
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        kv: KVBackend | None = None,
+        trace: dict[str, dict[int, torch.Tensor]] | None = None,
+    ) -> torch.Tensor:
+        """fp32 logits [rows, vocab] of ``kv.logit_rows()`` for the rows ``input_ids`` [T].
 
-        return forward_exact(self, input_ids)
+        ``kv`` defaults to the dense backend under the exact semantics (every
+        layer over every token): ``model(ids)`` is the training forward.
+        """
+        if kv is None:
+            from engine.model.dense_backend import DenseKV  # the default oracle backend
+
+            kv = DenseKV.exact(self.config, input_ids)
+        hc, n = self.config.hc_mult, self.config.engram_max_ngram_size
+        R = self.embed(input_ids).unsqueeze(1).expand(-1, hc, -1).contiguous()
+        pre = hc_initial_pre(R.shape[0], hc, R.device)
+        sel = Selections(trace=trace)
+        for block in self.layers:
+            rows = None
+            if block.engram is not None:
+                rows = self.engram_window_rows(kv.token_windows(n), block.layer_id)
+            R, pre = block(R, pre, rows, kv, sel)
+            if R.shape[0] == 0:  # no row goes on (a prefill-only pass past layer B)
+                return torch.zeros(0, self.config.vocab_size, device=R.device)
+        keep = kv.logit_rows()
+        if keep is not None:
+            R, pre = R[keep], pre[keep]
+        h = self.norm(hc_collapse(R, pre))
+        # The head runs in fp32, as the release computes its logits.
+        return F.linear(upcast(h), upcast(self.head.weight, h))

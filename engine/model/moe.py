@@ -59,6 +59,10 @@ class Gate(nn.Module):
         self.weight = nn.Parameter(torch.empty(config.n_routed_experts, config.hidden_size))
         # e_score_correction_bias; selection only, kept in fp32 like the checkpoint.
         self.bias = nn.Parameter(torch.zeros(config.n_routed_experts, dtype=torch.float32))
+        # The release's selection bias for image tokens (its vision-language
+        # routing). A text server routes no image token, so it is loaded (the
+        # checkpoint carries it for every MoE layer) and never read.
+        self.bias_vl = nn.Parameter(torch.zeros(config.n_routed_experts, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(weights [T, k] fp32, idx [T, k])`` for ``x [T, D]``."""

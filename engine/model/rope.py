@@ -18,9 +18,9 @@ from engine.model.precision import upcast
 
 
 def plain_inv_freq(dim: int, theta: float) -> torch.Tensor:
-    """``f_i = theta^(-2i/dim)`` for i = 0 .. dim/2 - 1, fp32."""
-    exponent = torch.arange(0, dim, 2, dtype=torch.float64) / dim
-    return (1.0 / theta**exponent).float()
+    """``f_i = theta^(-2i/dim)`` for i = 0 .. dim/2 - 1, computed in fp32 as the release does."""
+    exponent = torch.arange(0, dim, 2, dtype=torch.float32) / dim
+    return 1.0 / theta**exponent
 
 
 def yarn_inv_freq(
@@ -36,7 +36,7 @@ def yarn_inv_freq(
     Pairs rotating fast (index < low) keep ``f_i``; slow ones (> high) become
     ``f_i / factor``; a linear ramp blends the band between.
     """
-    f = plain_inv_freq(dim, theta).double()
+    f = plain_inv_freq(dim, theta)
 
     def correction_dim(rotations: float) -> float:
         # The pair index whose wavelength fits `rotations` times in the original context.
@@ -50,9 +50,9 @@ def yarn_inv_freq(
     high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
     if low == high:
         high += 0.001  # a one-point ramp is a step; avoid 0/0 as public ports do
-    i = torch.arange(dim // 2, dtype=torch.float64)
+    i = torch.arange(dim // 2, dtype=torch.float32)
     ramp = ((i - low) / (high - low)).clamp(0.0, 1.0)
-    return (f / factor * ramp + f * (1.0 - ramp)).float()
+    return f / factor * ramp + f * (1.0 - ramp)
 
 
 def rope_inv_freq_for_ratio(config: ModelConfig, ratio: int) -> torch.Tensor:
@@ -81,12 +81,14 @@ def rope_cos_sin(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, sin) [T, len(inv_freq)] fp32 of the angles ``positions[t] * inv_freq[i]``.
 
-    The angle is formed in float64: an fp32 product loses ~pos * 6e-8 rad
-    (0.06 rad at position 1M). Kernels build their cos/sin tables from this
+    The angle is the fp32 product, as the release forms it: a float64 angle
+    would be more accurate (fp32 loses ~pos * 6e-8 rad) but rotates by other
+    angles than the model was trained with, and the 1e-7 differences flip
+    FP8/FP4 roundings downstream. Kernels build their cos/sin tables from this
     function so they rotate by the same angles as the reference.
     """
-    angle = positions.to(torch.float64)[:, None] * inv_freq.to(torch.float64)[None, :]
-    return angle.cos().float(), angle.sin().float()
+    angle = positions.to(torch.float32)[:, None] * inv_freq.to(torch.float32)[None, :]
+    return angle.cos(), angle.sin()
 
 
 def apply_rope(

@@ -28,7 +28,7 @@ def _hand_counts(c: ModelConfig) -> dict[str, int]:
     cols = len(c.engram_orders) * c.engram_n_heads
     attn = q * D + q + H * hd * q + hd * D + hd + (G * ol) * (H * hd // G) + D * G * ol + H
     mhc = 2 * ((2 + hc) * hc * hc * D + (2 + hc) * hc + 3)
-    dense_ffn = E * D + E + 3 * inter * D  # router weight and bias, shared expert
+    dense_ffn = E * D + 2 * E + 3 * inter * D  # router weight, bias and bias_vl, shared expert
     expert = 3 * inter * D
     engram_rest = (hc + 1) * D * cols * c.engram_head_dim + 2 * hc * D  # wkv, q/k weights
 

@@ -16,6 +16,7 @@ from engine_helpers import (
     ATOL,
     W,
     assert_matches,
+    assert_same_answer,
     fake_engine,
     greedy,
     prompt,
@@ -106,9 +107,9 @@ def expected_with_admissions(model, tokens: list[int], admissions, max_tokens: i
     written = GlobalKV()
     for i, adm in enumerate(admissions):
         assert adm.num_tokens == len(tokens)
-        plan = ReplayPlan.prefill(len(tokens), W, stored_tokens=adm.stored_tokens)
+        plan = ReplayPlan.prefill(model.config, len(tokens), W, stored_tokens=adm.stored_tokens)
         # The engine ran the plan the prefill rule gives.
-        assert (plan.stored_tokens, plan.encoder_start, plan.decoder_start) == (
+        assert (plan.stored_tokens, plan.encoder_start, plan.decoder_start(model.config)) == (
             adm.stored_tokens,
             adm.encoder_start,
             adm.decoder_start,
@@ -167,7 +168,7 @@ def restored_reference(oracle, model, tokens: list[int], n: int, hit: int):
     earlier request's prefill. (A longer forward may round an entry's last bit
     differently, and FP4 can then round it to a different code.)
     """
-    written = forward(model, torch.tensor(tokens), ReplayPlan.prefill(len(tokens), W))
+    written = forward(model, torch.tensor(tokens), ReplayPlan.prefill(model.config, len(tokens), W))
     stored = written.global_kv.prefix(hit, ratios(model))
     return oracle(tokens, n, stored_tokens=hit, stored=stored), oracle(tokens, n)
 
@@ -184,11 +185,14 @@ def test_restore_from_the_device_tier(flavour):
     ref, first = restored_reference(oracle, engine_model, tokens, 2, 40)
     assert_matches(runner, "second", outputs, ref.tokens, ref.logits)
     assert runner.logits["first", 0][0].sub(first.logits[0]).abs().max() < ATOL
+    # A cache hit never changes the answer: the restored stream is the cold one.
+    assert_same_answer(runner, "second", outputs, first)
     usage = outputs["second"][-1].usage
     assert (usage.prompt_cache_hit_tokens, usage.prompt_device_hit_tokens) == (40, 40)
-    assert usage.prompt_cache_miss_tokens == 5 and usage.replay_tokens == 40 - (40 - W)
+    e0 = ReplayPlan.prefill(engine_model.config, 45, W, stored_tokens=40).encoder_start
+    assert usage.prompt_cache_miss_tokens == 5 and usage.replay_tokens == 40 - e0
     (admission,) = runner.admissions["second", 0]
-    assert (admission.stored_tokens, admission.encoder_start) == (40, 40 - W)
+    assert (admission.stored_tokens, admission.encoder_start) == (40, e0)
 
 
 def test_restore_from_ssd_after_restart(flavour, tmp_path):
@@ -205,8 +209,9 @@ def test_restore_from_ssd_after_restart(flavour, tmp_path):
     engine.add_request(Request("second", tokens, greedy(2)))
     outputs = run_to_completion(engine)
     engine.close()
-    ref, _ = restored_reference(oracle, engine_model, tokens, 2, 40)
+    ref, cold = restored_reference(oracle, engine_model, tokens, 2, 40)
     assert_matches(runner, "second", outputs, ref.tokens, ref.logits)
+    assert_same_answer(runner, "second", outputs, cold)
     usage = outputs["second"][-1].usage
     assert (usage.prompt_ssd_hit_tokens, usage.prompt_device_hit_tokens) == (40, 0)
 
@@ -218,7 +223,7 @@ def test_full_depth_equals_the_exact_reference(flavour):
     engine.add_request(Request("a", tokens, greedy(2)))
     outputs = run_to_completion(engine)
     ref = oracle(tokens, 2, ced=False)
-    assert ref.plan == ReplayPlan.exact()
+    assert ref.plan == ReplayPlan.exact(engine_model.config)
     assert_matches(runner, "a", outputs, ref.tokens, ref.logits)
 
 
@@ -232,7 +237,8 @@ def test_bf16_global_kv_through_pages(flavour):
     engine.add_request(Request("second", tokens, greedy(2)))
     outputs = run_to_completion(engine)
     # Pages below 24 depend on the prompt only: one prefill gives their KV.
-    first = forward(engine_model, torch.tensor(tokens), ReplayPlan.prefill(26, W), precision=bf16)
+    plan = ReplayPlan.prefill(engine_model.config, 26, W)
+    first = forward(engine_model, torch.tensor(tokens), plan, precision=bf16)
     stored = first.global_kv.prefix(24, ratios(engine_model))
     ref = oracle(tokens, 2, precision=bf16, stored_tokens=24, stored=stored)
     assert outputs["second"][-1].usage.prompt_cache_hit_tokens == 24

@@ -51,8 +51,8 @@ def _manager(config, kv_dir=None, pages=64):
     return KVCacheManager(layout, layout.page_bytes * pages, kv_dir=kv_dir)
 
 
-def _admit(kv, seq_id, tokens, W, ced=True):
-    plan = kv.plan_restore(seq_id, tokens, b"salt", replay_tokens=W)
+def _admit(kv, config, seq_id, tokens, W, ced=True):
+    plan = kv.plan_restore(seq_id, tokens, b"salt")
     seq = Sequence(
         seq_id=seq_id,
         request_id=str(seq_id),
@@ -60,10 +60,8 @@ def _admit(kv, seq_id, tokens, W, ced=True):
         num_prompt_tokens=len(tokens),
         salt=b"salt",
     )
-    seq.stored_tokens = plan.hit_tokens
-    seq.encoder_start = plan.replay_start
-    seq.decoder_start = max(plan.replay_start, len(tokens) - W) if ced else plan.replay_start
-    seq.prefill_end = len(tokens)
+    replay = ReplayPlan.prefill(config, len(tokens), W, stored_tokens=plan.hit_tokens, ced=ced)
+    seq.admit(replay, replay.decoder_start(config))
     seq.block_table = kv.allocate(seq_id, len(tokens) + 8)
     return seq
 
@@ -82,7 +80,7 @@ def _prefill(runner, seq, chunk):
 
 
 def _plan(seq):
-    return ReplayPlan(seq.stored_tokens, seq.encoder_start, seq.decoder_start)
+    return ReplayPlan(seq.stored_tokens, seq.layer_starts)
 
 
 def _prefill_and_decode(model, tokens, chunk, steps, atol, ced=True):
@@ -90,7 +88,7 @@ def _prefill_and_decode(model, tokens, chunk, steps, atol, ced=True):
     W = config.sliding_window
     kv = _manager(config)
     runner = PagedModelRunner(model, kv, max_num_seqs=4)
-    seq = _admit(kv, 1, tokens, W, ced=ced)
+    seq = _admit(kv, config, 1, tokens, W, ced=ced)
     logits = _prefill(runner, seq, chunk)
     for _ in range(steps):
         ref = forward(model, torch.tensor(seq.token_ids), _plan(seq)).logits[-1]
@@ -130,7 +128,7 @@ def test_batch_of_sequences_matches_reference(model64):
     prompts = [torch.randint(3, 120000, (n,), generator=gen).tolist() for n in (5, 19, 33, 40)]
     kv = _manager(config)
     runner = PagedModelRunner(tiny_model, kv, max_num_seqs=8)
-    seqs = [_admit(kv, i, p, W) for i, p in enumerate(prompts)]
+    seqs = [_admit(kv, config, i, p, W) for i, p in enumerate(prompts)]
     out = runner.execute(
         StepBatch(prefills=[PrefillChunk(s, s.encoder_start, s.prefill_end, True) for s in seqs])
     )
@@ -149,7 +147,7 @@ def test_restore_from_device_tier_matches_reference(model64):
     tokens = torch.randint(3, 120000, (50,), generator=torch.Generator().manual_seed(11)).tolist()
     kv = _manager(config)
     runner = PagedModelRunner(tiny_model, kv, max_num_seqs=4)
-    first = _admit(kv, 1, tokens, W)
+    first = _admit(kv, config, 1, tokens, W)
     _prefill(runner, first, 64)
     kv.commit_full_pages(1, tokens, b"salt")
     # The stored global KV the reference needs: the first admission's, from its own pass.
@@ -158,8 +156,11 @@ def test_restore_from_device_tier_matches_reference(model64):
     kv.free(1)
 
     longer = [*tokens, 7, 8, 9, 10, 11]
-    second = _admit(kv, 2, longer, W)
-    assert second.stored_tokens == 48 and second.encoder_start == 48 - W
+    second = _admit(kv, config, 2, longer, W)
+    assert second.stored_tokens == 48 and second.encoder_start < 48 - W
     logits = _prefill(runner, second, 64)
     ref = forward(tiny_model, torch.tensor(longer), _plan(second), stored).logits[-1]
     _check_step(logits, ref, TIGHT_ATOL)
+    # Exact restore: the same logits as a cold prefill of the longer prompt.
+    cold = ReplayPlan.prefill(config, len(longer), W)
+    _check_step(logits, forward(tiny_model, torch.tensor(longer), cold).logits[-1], TIGHT_ATOL)

@@ -67,12 +67,13 @@ def test_prefill_only_then_decode_equals_a_restore_of_its_pages(flavour, tmp_pat
     assert (usage.prompt_ssd_hit_tokens, usage.prompt_device_hit_tokens) == (40, 0)
     assert decode.kv.stats().ssd.discovered_files == 5
     # Oracle: pages hold what a forward over the 40 handed-over tokens wrote.
-    written = forward(model, torch.tensor(tokens[:40]), ReplayPlan.prefill(40, W))
+    written = forward(model, torch.tensor(tokens[:40]), ReplayPlan.prefill(model.config, 40, W))
     stored = written.global_kv.prefix(40, ratios(model))
     ref = oracle(tokens, 3, stored_tokens=40, stored=stored)
     assert_matches(decode_runner, "d", outputs, ref.tokens, ref.logits)
     (admission,) = decode_runner.admissions["d", 0]
-    assert (admission.stored_tokens, admission.encoder_start) == (40, 40 - W)
+    e0 = ReplayPlan.prefill(model.config, len(tokens), W, stored_tokens=40).encoder_start
+    assert (admission.stored_tokens, admission.encoder_start) == (40, e0)
 
 
 def test_a_fully_cached_prompt_runs_no_row():

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine_helpers import make_kv
+from engine_helpers import TINY, make_kv
 
 from engine.engine_config import EngineConfig
 from engine.runner import StepBatch
@@ -15,7 +15,9 @@ W = 16  # replay window (the tiny model's sliding window)
 def make_scheduler(num_pages: int = 64, page_tokens: int = 8, **config) -> Scheduler:
     released: list[int] = []
     cfg = EngineConfig(page_tokens=page_tokens, **config)
-    sched = Scheduler(cfg, make_kv(num_pages, page_tokens), W, lambda s: released.append(s.seq_id))
+    sched = Scheduler(
+        cfg, make_kv(num_pages, page_tokens), TINY, W, lambda s: released.append(s.seq_id)
+    )
     sched.released = released  # type: ignore[attr-defined]
     return sched
 
@@ -144,8 +146,8 @@ def test_out_of_pages_preempts_the_newest_and_it_resumes_by_restore():
     chunk = batch.prefills[0]
     assert [c.seq.seq_id for c in batch.prefills] == [1, 2]
     s1 = seqs[1]
-    # Resume = restore: H = 16 (two full pages, capped at (17 - 1) // 8), replay
-    # from H - W = 0, decoder rows from L - W = 1.
+    # Resume = restore: H = 16 (two full pages, capped at (17 - 1) // 8), decoder
+    # rows from L - W = 1; the replay triangle below H reaches row 0.
     assert (s1.stored_tokens, s1.encoder_start, s1.decoder_start, s1.prefill_end) == (16, 0, 1, 17)
     assert (chunk.start, chunk.end, chunk.last) == (0, 17, True)
     assert s1.prompt_hit_tokens == 0  # usage keeps the first admission's hit
@@ -177,20 +179,23 @@ def test_admission_waits_for_pages_of_the_whole_prompt():
 
 
 def test_prefix_hit_sets_the_restore_plan():
-    sched = make_scheduler(prefill_chunk_tokens=64)
-    first = make_seq(0, 45)
+    sched = make_scheduler(prefill_chunk_tokens=128)
+    first = make_seq(0, 100)
     sched.add(first)
-    advance(sched, sched.schedule())  # 45 rows; 5 full pages committed
+    advance(sched, sched.schedule())  # 100 rows; 12 full pages committed
     sched.finish(first)
-    second = make_seq(1, 45)
-    second.token_ids = list(first.token_ids[:45])
+    second = make_seq(1, 100)
+    second.token_ids = list(first.token_ids[:100])
     sched.add(second)
     batch = sched.schedule()
-    # H = 40 (five pages), e0 = H - W = 24, d0 = L - W = 29.
-    assert (second.stored_tokens, second.encoder_start, second.decoder_start) == (40, 24, 29)
-    assert shape(batch) == ([], [(1, 24, 45, True)])
-    assert second.prompt_hit_tokens == second.prompt_device_hit_tokens == 40
-    assert batch.num_tokens == 21  # the budget pays for replayed rows too
+    # H = 96 (twelve pages), d0 = L - W = 84. The decoder's first row reads layer
+    # B's keys from 84 - 15 = 69; each encoder layer below starts one window
+    # (15 rows) earlier: 54, 39, 24, 9 (the tiny model has B = 4).
+    assert (second.stored_tokens, second.encoder_start, second.decoder_start) == (96, 9, 84)
+    assert second.layer_starts == (9, 24, 39, 54, 69, 84, 84, 84, 84)
+    assert shape(batch) == ([], [(1, 9, 100, True)])
+    assert second.prompt_hit_tokens == second.prompt_device_hit_tokens == 96
+    assert batch.num_tokens == 91  # the budget pays for replayed rows too
 
 
 def test_disabled_ced_runs_the_decoder_from_the_encoder_start():

@@ -35,11 +35,9 @@ def content_for(page_hash: bytes, nbytes: int) -> torch.Tensor:
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
 
-def fill_and_commit(
-    kv: KVCacheManager, rid: str, tokens: Sequence[int], salt: str, replay: int = 16
-) -> list[bytes]:
+def fill_and_commit(kv: KVCacheManager, rid: str, tokens: Sequence[int], salt: str) -> list[bytes]:
     """Open a request, write every missing full page's bytes, commit; returns the hashes."""
-    plan = kv.plan_restore(rid, tokens, salt, replay)
+    plan = kv.plan_restore(rid, tokens, salt)
     table = kv.allocate(rid, len(tokens))
     hashes = chain_hashes(tokens, salt, kv.page_tokens)
     for i in range(len(plan.page_ids), len(hashes)):

@@ -78,7 +78,7 @@ def mode_fsize_limit(kv_dir: str, limit: str) -> dict:
     kv.flush()
     kv.free("a")
     # Serving continues: the device tier still hits, new commits do not raise.
-    plan = kv.plan_restore("b", tokens, "s", 16)
+    plan = kv.plan_restore("b", tokens, "s")
     fill_and_commit(kv, "c", list(range(1000, 1000 + 3 * 64)), "s")
     kv.close()
     s = kv.stats().ssd

@@ -113,13 +113,13 @@ def test_full_disk_tmpfs_disables_writes_and_keeps_serving(
         assert not _files(mnt, "*.tmp"), "a failed write must not leave its temp file"
         # Serving goes on: the device tier hits, new commits neither raise nor queue.
         kv.free("a")
-        assert kv.plan_restore("b", tokens, "s", 16).device_hit_tokens == 10 * 64
+        assert kv.plan_restore("b", tokens, "s").device_hit_tokens == 10 * 64
         fill_and_commit(kv, "c", list(range(5000, 5000 + 3 * 64)), "s")
         kv.close()
         assert kv.stats().ssd.writes == s.writes
         # The pages that made it are a head of the chain and restore after a restart.
         kv2 = KVCacheManager(LAYOUT, 32 * LAYOUT.page_bytes, kv_dir=mnt, kv_dir_bytes=10**9)
-        plan = kv2.plan_restore("d", tokens, "s", 16)
+        plan = kv2.plan_restore("d", tokens, "s")
         assert plan.ssd_hit_tokens == s.writes * 64
         assert kv2.store is not None
         assert _assert_every_indexed_page_is_right(kv2.store) == s.writes
@@ -170,7 +170,7 @@ def test_read_only_directory_serves_reads_and_refuses_writes(
         for _ in _make_read_only(mnt):
             with caplog.at_level(logging.WARNING, logger="kvstore.persistent"):
                 kv = KVCacheManager(LAYOUT, 32 * LAYOUT.page_bytes, kv_dir=mnt, kv_dir_bytes=10**9)
-                plan = kv.plan_restore("b", tokens, "s", 16)
+                plan = kv.plan_restore("b", tokens, "s")
                 # Pages 0-2 verify; page 3 fails its checksum: a miss, though undeletable.
                 assert plan.ssd_hit_tokens == 3 * 64
                 for page, h in zip(plan.page_ids, hashes, strict=False):

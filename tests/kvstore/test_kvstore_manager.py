@@ -19,20 +19,16 @@ def _kv(pages: int = 16, **kw: object) -> KVCacheManager:
     return KVCacheManager(LAYOUT, pages * LAYOUT.page_bytes, **kw)  # type: ignore[arg-type]
 
 
-def test_no_hit_then_device_hit_with_replay_start() -> None:
+def test_no_hit_then_device_hit() -> None:
     kv = _kv()
     tokens = list(range(3 * PT + 5))
-    plan = kv.plan_restore("a", tokens, "s", replay_tokens=16)
-    assert (plan.hit_tokens, plan.replay_start, plan.compute_tokens) == (0, 0, len(tokens))
+    plan = kv.plan_restore("a", tokens, "s")
+    assert (plan.hit_tokens, plan.miss_tokens) == (0, len(tokens))
     fill_and_commit_existing(kv, "a", tokens, "s")
     kv.free("a")
-    plan = kv.plan_restore("b", tokens, "s", replay_tokens=16)
+    plan = kv.plan_restore("b", tokens, "s")
     assert plan.hit_tokens == plan.device_hit_tokens == 3 * PT
-    assert plan.replay_start == 3 * PT - 16
-    assert plan.miss_tokens == 5 and plan.compute_tokens == 21
-    # A replay window wider than the hit starts at 0.
-    kv.free("b")
-    assert kv.plan_restore("c", tokens, "s", replay_tokens=1000).replay_start == 0
+    assert plan.miss_tokens == 5
 
 
 def fill_and_commit_existing(kv: KVCacheManager, rid: str, tokens: list[int], salt: str) -> None:
@@ -48,7 +44,7 @@ def test_hit_is_capped_so_one_token_is_computed(n_tokens: int, hit_pages: int) -
     tokens = list(range(2 * PT + 1))
     fill_and_commit(kv, "w", tokens, "s")
     kv.free("w")
-    plan = kv.plan_restore("r", tokens[:n_tokens], "s", 16)
+    plan = kv.plan_restore("r", tokens[:n_tokens], "s")
     assert plan.hit_tokens == hit_pages * PT and plan.miss_tokens >= 1
 
 
@@ -57,8 +53,8 @@ def test_tenants_never_share_pages() -> None:
     tokens = list(range(3 * PT + 1))
     fill_and_commit(kv, "a", tokens, "tenant-a")
     kv.free("a")
-    assert kv.plan_restore("b", tokens, "tenant-b", 16).hit_tokens == 0
-    assert kv.plan_restore("c", tokens, "tenant-a", 16).hit_tokens == 3 * PT
+    assert kv.plan_restore("b", tokens, "tenant-b").hit_tokens == 0
+    assert kv.plan_restore("c", tokens, "tenant-a").hit_tokens == 3 * PT
 
 
 def test_divergent_suffix_shares_the_common_head() -> None:
@@ -66,7 +62,7 @@ def test_divergent_suffix_shares_the_common_head() -> None:
     base = list(range(4 * PT + 1))
     fill_and_commit(kv, "a", base, "s")
     forked = base[: 2 * PT] + [7] * (2 * PT + 1)
-    plan = kv.plan_restore("b", forked, "s", 16)
+    plan = kv.plan_restore("b", forked, "s")
     assert plan.hit_tokens == 2 * PT
     assert plan.page_ids == kv.block_table("a")[:2]
     # Shared pages hold two references: freeing one request keeps them in use.
@@ -87,7 +83,7 @@ def test_out_of_pages_is_clean_and_cached_pages_are_evicted_first() -> None:
     kv.allocate("b", 2 * PT)  # one free page + one evicted cached page (the chain's tail)
     assert kv.stats().device_evictions == 1
     kv.free("b")
-    assert kv.plan_restore("c", tokens, "s", 16).hit_tokens == 2 * PT
+    assert kv.plan_restore("c", tokens, "s").hit_tokens == 2 * PT
 
 
 def test_pages_in_use_are_never_reallocated() -> None:
@@ -105,7 +101,7 @@ def test_pages_in_use_are_never_reallocated() -> None:
 def test_commit_is_incremental_and_decode_fills_pages() -> None:
     kv = _kv()
     tokens = list(range(PT + 10))
-    kv.plan_restore("a", tokens, "s", 16)
+    kv.plan_restore("a", tokens, "s")
     kv.allocate("a", len(tokens))
     assert kv.commit_full_pages("a", tokens, "s") == 1
     assert kv.commit_full_pages("a", tokens, "s") == 0
@@ -113,7 +109,7 @@ def test_commit_is_incremental_and_decode_fills_pages() -> None:
     kv.allocate("a", len(tokens))
     assert kv.commit_full_pages("a", tokens, "s") == 1
     kv.free("a")
-    assert kv.plan_restore("b", [*tokens, 1], "s", 16).hit_tokens == 2 * PT
+    assert kv.plan_restore("b", [*tokens, 1], "s").hit_tokens == 2 * PT
     with pytest.raises(AssertionError):
         kv.commit_full_pages("b", [*tokens, 1], "other-salt")
 
@@ -130,7 +126,7 @@ def test_ssd_extends_a_device_prefix(tmp_path: Path) -> None:
     assert kv.pool.lookup(hashes[0]) is not None
     assert all(kv.pool.lookup(h) is None for h in hashes[1:])
     before = kv.stats()
-    plan = kv.plan_restore("b", tokens, "s", 16)
+    plan = kv.plan_restore("b", tokens, "s")
     assert plan.hit_tokens == 4 * PT
     assert (plan.device_hit_tokens, plan.ssd_hit_tokens) == (PT, 3 * PT)
     for page, h in zip(plan.page_ids, hashes, strict=True):
@@ -140,7 +136,7 @@ def test_ssd_extends_a_device_prefix(tmp_path: Path) -> None:
     assert after.ssd.reads - before.ssd.reads == plan.ssd_hit_tokens // PT
     # Loaded pages are now device-resident cached pages.
     kv.free("b")
-    assert kv.plan_restore("c", tokens, "s", 16).device_hit_tokens == 4 * PT
+    assert kv.plan_restore("c", tokens, "s").device_hit_tokens == 4 * PT
     kv.close()
 
 
@@ -150,7 +146,7 @@ def test_ssd_restore_stops_where_the_pool_is_full(tmp_path: Path) -> None:
         fill_and_commit(kv, "a", tokens, "s")
     kv = _kv(pages=4, kv_dir=tmp_path, kv_dir_bytes=10**9)
     kv.allocate("other", PT)  # one page busy: three left for six SSD pages
-    plan = kv.plan_restore("b", tokens, "s", 16)
+    plan = kv.plan_restore("b", tokens, "s")
     assert plan.ssd_hit_tokens == plan.hit_tokens == 3 * PT
     with pytest.raises(OutOfPages):
         kv.allocate("b", len(tokens))
@@ -162,15 +158,15 @@ def test_salted_pages_on_ssd_stay_private(tmp_path: Path) -> None:
     with _kv(kv_dir=tmp_path, kv_dir_bytes=10**9) as kv:
         fill_and_commit(kv, "a", tokens, "tenant-a")
     with _kv(kv_dir=tmp_path, kv_dir_bytes=10**9) as kv:
-        assert kv.plan_restore("b", tokens, "tenant-b", 16).hit_tokens == 0
-        assert kv.plan_restore("c", tokens, "tenant-a", 16).ssd_hit_tokens == 2 * PT
+        assert kv.plan_restore("b", tokens, "tenant-b").hit_tokens == 0
+        assert kv.plan_restore("c", tokens, "tenant-a").ssd_hit_tokens == 2 * PT
 
 
 def test_records_written_through_page_tensors_reach_the_file(tmp_path: Path) -> None:
     """End to end: quantised-record bytes -> device views -> SSD file -> records again."""
     kv = _kv(kv_dir=tmp_path, kv_dir_bytes=10**9)
     tokens = list(range(PT + 1))
-    kv.plan_restore("a", tokens, "s", 16)
+    kv.plan_restore("a", tokens, "s")
     (page, _) = kv.allocate("a", len(tokens))
     src = kv.page_tensors(4)
     records = torch.randint(0, 256, (64, 288), dtype=torch.uint8)
@@ -198,7 +194,7 @@ def test_stats_count_lookups_and_hits() -> None:
     tokens = list(range(2 * PT + 1))
     fill_and_commit(kv, "a", tokens, "s")
     kv.free("a")
-    kv.plan_restore("b", tokens, "s", 16)
+    kv.plan_restore("b", tokens, "s")
     s = kv.stats()
     assert (s.lookups, s.lookup_tokens, s.device_hit_tokens) == (2, 2 * len(tokens), 2 * PT)
     assert s.ssd_hit_tokens == 0 and not s.ssd.enabled

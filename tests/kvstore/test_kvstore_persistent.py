@@ -38,14 +38,13 @@ def hashes(written: tuple[Path, list[bytes]], tmp_path: Path) -> list[bytes]:
 
 def _restore(kv_dir: Path, **kw: object) -> tuple[KVCacheManager, object]:
     kv = KVCacheManager(LAYOUT, 16 * LAYOUT.page_bytes, kv_dir=kv_dir, kv_dir_bytes=10**9, **kw)
-    return kv, kv.plan_restore("q", TOKENS, "tenant", replay_tokens=16)
+    return kv, kv.plan_restore("q", TOKENS, "tenant")
 
 
 def test_write_restart_find_read_back_identical(tmp_path: Path, hashes: list[bytes]) -> None:
     kv, plan = _restore(tmp_path)
     assert plan.hit_tokens == plan.ssd_hit_tokens == 5 * PT
     assert plan.device_hit_tokens == 0 and plan.miss_tokens == 10
-    assert plan.replay_start == 5 * PT - 16
     for page, h in zip(plan.page_ids, hashes, strict=True):
         assert torch.equal(kv.memory.pages[page], content_for(h, LAYOUT.page_bytes))
     s = kv.stats().ssd
@@ -119,7 +118,7 @@ def test_damage_after_start_is_detected_at_read(
     assert kv.store is not None and len(kv.store) == 5
     path = kv.store.path(hashes[3])
     FAULTS[fault][0](path, hashes[3])
-    plan = kv.plan_restore("q", TOKENS, "tenant", 16)
+    plan = kv.plan_restore("q", TOKENS, "tenant")
     assert plan.hit_tokens == 3 * PT
     s = kv.stats().ssd
     if fault == "delete":
@@ -129,7 +128,7 @@ def test_damage_after_start_is_detected_at_read(
     assert s.files == 4
     # Page 4 was loaded and verified before the cut: it stays cached on the device.
     kv.free("q")
-    again = kv.plan_restore("q2", TOKENS, "tenant", 16)
+    again = kv.plan_restore("q2", TOKENS, "tenant")
     assert again.hit_tokens == 3 * PT and again.device_hit_tokens == 3 * PT
     kv.close()
 
@@ -269,7 +268,7 @@ def test_uncreatable_directory_disables_writes(tmp_path: Path) -> None:
     blocker.write_text("not a directory")
     tokens = list(range(2 * PT + 1))
     with KVCacheManager(LAYOUT, 8 * LAYOUT.page_bytes, kv_dir=blocker / "kv") as kv:
-        plan = kv.plan_restore("a", tokens, "s", 16)
+        plan = kv.plan_restore("a", tokens, "s")
         kv.allocate("a", len(tokens))
         assert kv.commit_full_pages("a", tokens, "s") == 2  # the device tier still caches
         s = kv.stats().ssd
@@ -287,7 +286,7 @@ def test_pages_published_after_start_are_found_by_lookup(
     kv = KVCacheManager(LAYOUT, 16 * LAYOUT.page_bytes, kv_dir=tmp_path, kv_dir_bytes=10**9)
     assert kv.stats().ssd.files == 0
     shutil.copytree(written[0], tmp_path, dirs_exist_ok=True, copy_function=shutil.copy2)
-    plan = kv.plan_restore("q", TOKENS, "tenant", replay_tokens=16)
+    plan = kv.plan_restore("q", TOKENS, "tenant")
     assert plan.ssd_hit_tokens == 5 * PT
     for page, h in zip(plan.page_ids, written[1], strict=True):
         assert torch.equal(kv.memory.pages[page], content_for(h, LAYOUT.page_bytes))
@@ -304,7 +303,7 @@ def test_a_corrupted_published_page_ends_the_hit_there(
     _flip(kv.store.path(written[1][2]), HEADER_BYTES + 7)
     truncated = kv.store.path(written[1][4])
     truncated.write_bytes(truncated.read_bytes()[:-1])  # never indexed: wrong size
-    plan = kv.plan_restore("q", TOKENS, "tenant", replay_tokens=16)
+    plan = kv.plan_restore("q", TOKENS, "tenant")
     assert plan.hit_tokens == 2 * PT  # pages 0 and 1; page 2 fails its checksum
     s = kv.stats().ssd
     assert s.checksum_failures == 1 and not kv.store.path(written[1][2]).exists()
@@ -313,7 +312,7 @@ def test_a_corrupted_published_page_ends_the_hit_there(
 
 def test_wait_published_counts_the_durable_head_of_a_chain(tmp_path: Path) -> None:
     kv = KVCacheManager(LAYOUT, 16 * LAYOUT.page_bytes, kv_dir=tmp_path, kv_dir_bytes=10**9)
-    kv.plan_restore("w", TOKENS, "tenant", replay_tokens=16)
+    kv.plan_restore("w", TOKENS, "tenant")
     kv.allocate("w", len(TOKENS))
     kv.commit_full_pages("w", TOKENS, "tenant")
     chain = kv.publish("w")

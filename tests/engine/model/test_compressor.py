@@ -72,13 +72,13 @@ def test_project_combine_streams_like_forward():
     x = torch.randn(9, 256, generator=torch.Generator().manual_seed(10))
     whole = comp(x)  # 4 entries; token 8 is pending
     rows = comp.project(x)
-    torch.testing.assert_close(comp.combine(rows[:8]), whole, rtol=0, atol=0)
+    torch.testing.assert_close(comp.combine(rows[:8], x.dtype), whole, rtol=0, atol=0)
     # Chunks [0, 3) | [3, 5) | [5, 9): each starts with the previous chunk's pending row.
     emitted, pending = [], None
     for lo, hi in ((0, 3), (3, 5), (5, 9)):
         chunk = rows[lo:hi] if pending is None else torch.cat([pending, rows[lo:hi]])
         complete = chunk.shape[0] // 2 * 2
-        emitted.append(comp.combine(chunk[:complete]))
+        emitted.append(comp.combine(chunk[:complete], torch.float32))
         pending = chunk[complete:] if complete < chunk.shape[0] else None
     torch.testing.assert_close(torch.cat(emitted), whole, rtol=0, atol=0)
     assert pending is not None and torch.equal(pending, rows[8:9])
@@ -94,7 +94,7 @@ def test_gate_softmax_is_per_channel():
     rows[0, 512], rows[1, 512] = 50.0, 0.0  # g, channel 0
     rows[0, 513], rows[1, 513] = 0.0, 50.0  # g, channel 1
     with torch.no_grad():
-        pooled_dir = comp.combine(rows)[0]
+        pooled_dir = comp.combine(rows, torch.float32)[0]
     assert pooled_dir[0] > 0 and pooled_dir[1] < 0 and abs(float(pooled_dir[2])) < 1e-6
 
 

