@@ -509,7 +509,7 @@ class PersistentStore:
                     if self._total + size <= self.budget_bytes:
                         self._total += size
                         return True
-                    if not self._index or skips >= max_skips:
+                    if not self._index or skips >= min(max_skips, len(self._index)):
                         return False
                     victim = next(iter(self._index))
                     fresh_until = self._foreign.get(victim)
