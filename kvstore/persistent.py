@@ -462,9 +462,10 @@ class PersistentStore:
             self._total -= size
             self._stats.write_errors += 1
             off = self._health.failed(exc, time.monotonic())
+            still_on = self._health.enabled
         if off:
             self._warn_disabled(exc)
-        else:
+        elif still_on:
             log.warning(
                 "kv persistent tier: write of page %s failed (%s: %s); that page is not "
                 "stored, writes go on",
