@@ -376,14 +376,19 @@ class PersistentStore:
         with self._lock:
             self._futures.discard(fut)
 
-    def flush(self) -> None:
-        """Wait until every queued write has finished (or failed)."""
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued write has finished (or failed), or ``timeout`` passes
+        (a hung disk must not hold up a bounded shutdown); True when all finished."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             with self._lock:
                 futures = list(self._futures)
             if not futures:
-                return
-            wait(futures)
+                return True
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            wait(futures, timeout=left)
 
     def close(self) -> None:
         self.flush()

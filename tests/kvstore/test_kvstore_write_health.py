@@ -89,3 +89,27 @@ def test_store_reenables_writes_after_a_transient_device_error(
     assert (s.writes_enabled, s.write_reprobes, s.writes) == (True, 1, 1)
     assert store.get(pages[3]) is not None
     store.close()
+
+
+def test_flush_with_a_timeout_returns_while_a_write_hangs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    store = PersistentStore(tmp_path, LAYOUT, budget_bytes=10**9)
+    gate = threading.Event()
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        assert gate.wait(30)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    h = bytes([3]) * 32
+    assert store.put(h, content_for(h, LAYOUT.page_bytes))
+    t0 = time.monotonic()
+    assert store.flush(timeout=0.2) is False
+    assert 0.2 <= time.monotonic() - t0 < 2.0
+    gate.set()
+    assert store.flush(timeout=10) is True and store.stats().writes == 1
+    store.close()
