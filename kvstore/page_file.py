@@ -12,7 +12,11 @@ name is rejected rather than served for another prefix.
 
 from __future__ import annotations
 
+import errno
+import os
+import stat
 import struct
+import uuid
 from dataclasses import dataclass
 
 import xxhash
@@ -73,6 +77,51 @@ def checksum(header: bytes, payload: bytes | memoryview) -> bytes:
 
 def file_name(page_hash: bytes) -> str:
     return page_hash.hex() + FILE_SUFFIX
+
+
+def temp_name(page_hash: bytes) -> str:
+    """A temp file name no other writer can pick: ``.<hash>.<uuid4>.tmp``.
+
+    Not pid-based: in containers every server is pid 1, and pids on other hosts
+    sharing the directory mean nothing here (issue 18, finding 6).
+    """
+    return f".{page_hash.hex()}.{uuid.uuid4().hex}{TEMP_SUFFIX}"
+
+
+class NotRegularFile(OSError):
+    """A page path that is a FIFO, directory, device or socket: never read."""
+
+
+def open_regular(path: str | os.PathLike[str]) -> int:
+    """Open a page file for reading: a regular file only, never followed, never blocking.
+
+    ``O_NOFOLLOW`` refuses a symlink (ELOOP); ``O_NONBLOCK`` makes opening a FIFO
+    return at once instead of waiting for a writer (it changes nothing for a
+    regular file); ``fstat`` on the open descriptor, not the path, decides, so a
+    file swapped after a check cannot slip through.
+    """
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    fd = os.open(path, flags)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise NotRegularFile(errno.EINVAL, f"not a regular file (mode {mode:o})", str(path))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_into(fd: int, buf: bytearray) -> int:
+    """Read from the start of ``fd`` until ``buf`` is full or the file ends; bytes read."""
+    view = memoryview(buf)
+    n = 0
+    while n < len(buf):
+        got = os.preadv(fd, [view[n:]], n)
+        if got == 0:
+            break
+        n += got
+    return n
 
 
 def shard_parts(page_hash: bytes) -> tuple[str, str]:

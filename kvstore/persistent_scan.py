@@ -2,12 +2,19 @@
 
 Only each file's 80-byte header is read; checksums are verified when a page
 is read (reading every payload at start would read the whole directory).
+
+The directory may be shared with live writers on other hosts or in other
+containers, so a temp file is judged by its age alone: one not modified for
+``stale_temp_s`` belongs to a writer that died (a live write takes seconds).
+Writer pids say nothing across pid namespaces and hosts (issue 18, finding 6).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import stat
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +25,8 @@ from kvstore.page_file import (
     TEMP_SUFFIX,
     PageHeader,
     decode_header,
+    open_regular,
+    read_into,
     shard_parts,
 )
 
@@ -28,19 +37,26 @@ _HEX = set("0123456789abcdef")
 
 @dataclass(slots=True)
 class ScanResult:
-    # (page hash, file size), least recently used first (by mtime).
-    pages: list[tuple[bytes, int]] = field(default_factory=list)
+    # (page hash, file size, mtime), least recently used first (by mtime).
+    pages: list[tuple[bytes, int, float]] = field(default_factory=list)
     skipped_files: int = 0
     stray_temp_files: int = 0
 
 
-def scan(root: Path, file_bytes: int, expected: Callable[[bytes], PageHeader]) -> ScanResult:
+def scan(
+    root: Path,
+    file_bytes: int,
+    expected: Callable[[bytes], PageHeader],
+    stale_temp_s: float,
+) -> ScanResult:
     """Index every servable ``<hash>.kvp`` under ``root/ab/cd``; delete the rest of ours.
 
     ``expected(page_hash)`` is the header a file of that name must carry. Files
-    that are neither page files nor our temp files are left alone.
+    that are neither page files nor temp files are left alone; temp files
+    younger than ``stale_temp_s`` too (a live writer's, perhaps on another host).
     """
     result = ScanResult()
+    stale_before = time.time() - stale_temp_s
     found: list[tuple[float, bytes, int]] = []
     for shard in _shard_dirs(root):
         try:
@@ -49,7 +65,7 @@ def scan(root: Path, file_bytes: int, expected: Callable[[bytes], PageHeader]) -
             continue
         for entry in entries:
             if entry.name.endswith(TEMP_SUFFIX):
-                if _stray_temp(entry) and unlink_quietly(Path(entry.path)):
+                if _stale_temp(entry, stale_before) and unlink_quietly(Path(entry.path)):
                     result.stray_temp_files += 1
             elif entry.name.endswith(FILE_SUFFIX):
                 item = _check_page(entry, shard, file_bytes, expected)
@@ -60,7 +76,7 @@ def scan(root: Path, file_bytes: int, expected: Callable[[bytes], PageHeader]) -
                     result.skipped_files += 1
                     unlink_quietly(Path(entry.path))
     found.sort()
-    result.pages = [(page_hash, size) for _mtime, page_hash, size in found]
+    result.pages = [(page_hash, size, mtime) for mtime, page_hash, size in found]
     return result
 
 
@@ -74,11 +90,16 @@ def _check_page(
     if shard_parts(page_hash) != (shard.parent.name, shard.name):
         return None
     try:
-        st = entry.stat()
-        if st.st_size != file_bytes:
-            return None
-        with open(entry.path, "rb", buffering=0) as f:
-            header = decode_header(f.read(HEADER_BYTES))
+        st = entry.stat(follow_symlinks=False)
+        if not stat.S_ISREG(st.st_mode) or st.st_size != file_bytes:
+            return None  # symlinks, FIFOs, directories: never indexed
+        fd = open_regular(entry.path)
+        try:
+            raw = bytearray(HEADER_BYTES)
+            read_into(fd, raw)
+        finally:
+            os.close(fd)
+        header = decode_header(bytes(raw))
     except OSError:
         return None
     if header != expected(page_hash):
@@ -86,27 +107,13 @@ def _check_page(
     return st.st_mtime, page_hash, st.st_size
 
 
-def _stray_temp(entry: os.DirEntry[str]) -> bool:
-    """A temp file whose writer is gone: ``.<hash>.<pid>.<seq>.tmp`` with a dead pid."""
-    parts = entry.name.split(".")
+def _stale_temp(entry: os.DirEntry[str], stale_before: float) -> bool:
+    """A temp file nobody has written to since ``stale_before`` (wall clock)."""
     try:
-        pid = int(parts[2])
-    except (IndexError, ValueError):
-        return True
-    return not pid_alive(pid)
-
-
-def pid_alive(pid: int) -> bool:
-    if pid <= 0 or pid == os.getpid():
-        # Our own pid on a file we did not write: a previous process that had it.
+        st = entry.stat(follow_symlinks=False)
+    except OSError:
         return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return not stat.S_ISDIR(st.st_mode) and st.st_mtime < stale_before
 
 
 def _shard_dirs(root: Path) -> list[Path]:

@@ -28,11 +28,23 @@ class SSDStats:
     missing_files: int = 0
     # Files dropped by the start-up scan: wrong magic, version, fingerprint, size, name.
     skipped_files: int = 0
-    # Temp files of dead writers removed by the start-up scan.
+    # Temp files untouched for stale_temp_s (a dead writer's), removed by the start-up scan.
     stray_temp_files: int = 0
-    # OSErrors while writing (ENOSPC, EIO, EROFS, ...): the first one disables writes.
+    # Page writes that failed with an OSError: each fails its page only.
     write_errors: int = 0
+    # Times a device error (ENOSPC, EROFS, EDQUOT, EFBIG; EIO, EACCES... repeated)
+    # turned writes off, and re-probes since (writes_enabled is the current state).
+    writes_disabled: int = 0
+    write_reprobes: int = 0
+    # Reads that raised (not a regular file, a symlink, EIO, ...): misses.
     read_errors: int = 0
+    # Restores whose SSD reads reached the read deadline; pages missed at once
+    # because a read was still overdue; reads running past their deadline now.
+    read_timeouts: int = 0
+    reads_skipped: int = 0
+    reads_overdue: int = 0
+    # Another process's files left alone by eviction: used within the grace period.
+    evictions_spared: int = 0
     # Writes not queued because too many were pending, or a page exceeds the budget.
     dropped_writes: int = 0
     # Files another process published into a shared directory, found by a lookup.

@@ -45,6 +45,27 @@ def mode_burst(kv_dir: str) -> dict:
             i += 1
 
 
+def mode_write_as_pid_1(kv_dir: str, n_pages: str) -> dict:
+    """Write ``n_pages`` one-page chains as a process that believes it is pid 1 (as in
+    a container), then report what the store counted and which pages it holds."""
+    os.getpid = lambda: 1  # type: ignore[assignment]
+    layout = tiny_layout()
+    store = PersistentStore(kv_dir, layout, budget_bytes=10**10, write_workers=2)
+    print("started", flush=True)
+    for i in range(int(n_pages)):
+        h = burst_hash(i)
+        assert store.put(h, content_for(h, layout.page_bytes))
+    store.flush()
+    store.close()
+    s = store.stats()
+    return {
+        "writes": s.writes,
+        "write_errors": s.write_errors,
+        "writes_enabled": s.writes_enabled,
+        "files": s.files,
+    }
+
+
 def mode_die_before_rename(kv_dir: str, n_pages: str) -> dict:
     """Die by SIGKILL at the rename of page n: n - 1 pages done, one temp file left."""
     layout = tiny_layout()

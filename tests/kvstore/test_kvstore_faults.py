@@ -27,6 +27,13 @@ def _files(root: Path, pattern: str) -> list[Path]:
     return [p for p in root.rglob(pattern) if p.is_file()]
 
 
+def _age_temp_files(root: Path) -> None:
+    """Make the dead writer's temp files look as old as a crash long ago."""
+    then = time.time() - 7200
+    for p in _files(root, "*.tmp"):
+        os.utime(p, (then, then))
+
+
 def _assert_every_indexed_page_is_right(store: PersistentStore) -> int:
     """Read every page the rebuilt index offers and compare with the bytes written."""
     served = 0
@@ -52,6 +59,7 @@ def test_kill_9_during_write_burst(tmp_path: Path) -> None:
         proc.wait()
     assert proc.returncode == -signal.SIGKILL
     on_disk = len(_files(tmp_path, "*.kvp"))
+    _age_temp_files(tmp_path)
     store = PersistentStore(tmp_path, LAYOUT, budget_bytes=10**10)
     s = store.stats()
     # Renames are atomic: every complete-looking file is indexed; torn temps removed.
@@ -68,6 +76,7 @@ def test_killed_between_fsync_and_rename(tmp_path: Path) -> None:
         run_worker("die-before-rename", tmp_path, 6)
     assert err.value.returncode == -signal.SIGKILL
     assert len(_files(tmp_path, "*.tmp")) == 1
+    _age_temp_files(tmp_path)
     store = PersistentStore(tmp_path, LAYOUT, budget_bytes=10**9)
     s = store.stats()
     assert (s.files, s.stray_temp_files, s.skipped_files) == (5, 1, 0)

@@ -139,18 +139,26 @@ def _dead_pid() -> int:
     return proc.pid
 
 
-def test_stray_temp_files(tmp_path: Path, hashes: list[bytes]) -> None:
+def test_stray_temp_files_are_judged_by_age_not_pid(tmp_path: Path, hashes: list[bytes]) -> None:
     store = PersistentStore(tmp_path, LAYOUT, budget_bytes=10**9)
     shard = store.path(hashes[0]).parent
     store.close()
-    dead = shard / f".{hashes[0].hex()}.{_dead_pid()}.1.tmp"
-    dead.write_bytes(b"half a page")
-    live = shard / f".{hashes[1].hex()}.{os.getppid()}.1.tmp"  # a live writer's file
-    live.write_bytes(b"being written")
+    # Old (pid-style name of a live process, even ours): a writer that died long ago.
+    old = shard / f".{hashes[0].hex()}.{os.getpid()}.1.tmp"
+    old.write_bytes(b"half a page")
+    two_hours_ago = time.time() - 7200
+    os.utime(old, (two_hours_ago, two_hours_ago))
+    # Fresh, though its pid is dead here: a live writer in another container or host.
+    fresh = shard / f".{hashes[1].hex()}.{_dead_pid()}.1.tmp"
+    fresh.write_bytes(b"being written")
     store = PersistentStore(tmp_path, LAYOUT, budget_bytes=10**9)
     s = store.stats()
-    assert s.stray_temp_files == 1 and not dead.exists() and live.exists()
+    assert s.stray_temp_files == 1 and not old.exists() and fresh.exists()
     assert s.files == 5 and s.skipped_files == 0
+    store.close()
+    # The threshold is a parameter: with 0 every temp file is stale.
+    store = PersistentStore(tmp_path, LAYOUT, budget_bytes=10**9, stale_temp_s=0)
+    assert store.stats().stray_temp_files == 1 and not fresh.exists()
     store.close()
 
 
@@ -203,9 +211,10 @@ def test_budget_evicts_least_recently_used(tmp_path: Path) -> None:
     assert s.evictions == 3 and s.bytes == 3 * file_bytes <= s.budget_bytes
     assert sum(p.stat().st_size for p in store.root.rglob("*.kvp")) == s.bytes
     store.close()
-    # After a restart with a smaller budget the least recently used goes first.
+    # After a restart with a smaller budget the least recently used goes first
+    # (files older than the grace period: 0 here; by default a just-used file stays).
     time.sleep(0.01)
-    store = PersistentStore(tmp_path, LAYOUT, budget_bytes=2 * file_bytes)
+    store = PersistentStore(tmp_path, LAYOUT, budget_bytes=2 * file_bytes, evict_grace_s=0)
     assert _on_disk(store) == {hs[2], hs[5]} == set(store._index)
     store.close()
 
