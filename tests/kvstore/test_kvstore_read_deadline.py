@@ -58,14 +58,14 @@ def test_a_fifo_at_a_page_path_is_a_miss_at_once(kv_dir: Path) -> None:
     fifo = kv.store.path(HASHES[2])
     fifo.unlink()
     os.mkfifo(fifo)
-    plan, seconds = _bounded(lambda: kv.plan_restore("q", TOKENS, "s", 16), fifo)
+    plan, seconds = _bounded(lambda: kv.plan_restore("q", TOKENS, "s"), fifo)
     assert plan.ssd_hit_tokens == 2 * PT
     assert seconds < 1.0 < kv.store.read_timeout_s  # refused, not waited out
     s = kv.stats().ssd
     assert (s.read_errors, s.read_timeouts) == (1, 0) and not fifo.exists()
     # The next request is served as usual: pages 0 and 1 from the device, 2 computed.
     kv.free("q")
-    plan, seconds = _bounded(lambda: kv.plan_restore("q2", TOKENS, "s", 16))
+    plan, seconds = _bounded(lambda: kv.plan_restore("q2", TOKENS, "s"))
     assert (plan.device_hit_tokens, plan.ssd_hit_tokens) == (2 * PT, 0) and seconds < 1.0
     kv.close()
 
@@ -97,7 +97,7 @@ def test_a_directory_or_symlink_at_a_page_path_is_a_miss(kv_dir: Path, kind: str
         path.mkdir()
     else:
         path.symlink_to(target)
-    plan = kv.plan_restore("q", TOKENS, "s", 16)
+    plan = kv.plan_restore("q", TOKENS, "s")
     assert plan.ssd_hit_tokens == 3 * PT
     assert kv.stats().ssd.read_errors == 1
     assert target.exists()  # only the link is removed, never what it points to
@@ -122,13 +122,13 @@ def test_a_hung_read_is_a_miss_after_the_deadline_and_never_queues_others(
         return real_read(fd, buf)
 
     monkeypatch.setattr(persistent, "read_into", read_into)
-    plan, seconds = _bounded(lambda: kv.plan_restore("q1", TOKENS, "s", 16))
+    plan, seconds = _bounded(lambda: kv.plan_restore("q1", TOKENS, "s"))
     assert plan.ssd_hit_tokens == 2 * PT and 0.3 <= seconds < 2.0
     s = kv.stats().ssd
     assert (s.read_timeouts, s.reads_overdue) == (1, 1)
     # While that read is stuck, a restore needing SSD pages misses them at once.
     kv.free("q1")
-    plan, seconds = _bounded(lambda: kv.plan_restore("q2", TOKENS, "s", 16))
+    plan, seconds = _bounded(lambda: kv.plan_restore("q2", TOKENS, "s"))
     assert (plan.device_hit_tokens, plan.ssd_hit_tokens) == (2 * PT, 0) and seconds < 0.2
     assert kv.stats().ssd.reads_skipped == 1
     kv.free("q2")
@@ -138,7 +138,7 @@ def test_a_hung_read_is_a_miss_after_the_deadline_and_never_queues_others(
     while kv.stats().ssd.reads_overdue:
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    plan = kv.plan_restore("q3", TOKENS, "s", 16)
+    plan = kv.plan_restore("q3", TOKENS, "s")
     assert (plan.hit_tokens, plan.ssd_hit_tokens) == (5 * PT, PT)
     kv.close()
 

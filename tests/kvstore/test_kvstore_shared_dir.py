@@ -155,7 +155,7 @@ def test_a_directory_at_a_page_path_fails_that_page_only(tmp_path: Path) -> None
     kv.close()
     # After a restart the chain is served up to the directory and computed from there.
     kv = KVCacheManager(LAYOUT, 32 * LAYOUT.page_bytes, kv_dir=tmp_path, kv_dir_bytes=10**9)
-    plan = kv.plan_restore("c", tokens, "s", 16)
+    plan = kv.plan_restore("c", tokens, "s")
     assert plan.ssd_hit_tokens == 2 * 64
     kv.close()
 
