@@ -2,7 +2,7 @@
 
 Parameter counts come from the shapes of a ``DeepseekV41`` built on the
 ``meta`` device (nothing is allocated), classified by tensor name. KV bytes
-follow the record sizes of ARCHITECTURE 1.10. What each "active" number
+follow the record sizes of docs/design/architecture.md §1.10. What each "active" number
 includes is defined in docs/design/checkpoints.md.
 """
 
@@ -29,7 +29,7 @@ SWA_RECORD_BYTES = 528  # 512-d SWA entry, MXFP8
 _LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 _ROUTED_EXPERT = re.compile(r"ffn\.experts\.\d+\.")
 # What layer B must run on every prompt token so its global KV and index keys
-# exist (ARCHITECTURE Part 3): Engram (it updates R before the attention input),
+# exist (docs/design/architecture.md §3.1): Engram (it updates R before the attention input),
 # attn_norm, the SWA KV projection, the compressor and the index-key projection.
 # The attention input collapses R with the previous sublayer's `pre` (1.3), so
 # B's own hc_attn coefficients are not needed until its output is mixed.

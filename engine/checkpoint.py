@@ -2,7 +2,7 @@
 
 A checkpoint directory holds ``config.json`` and either ``model.safetensors`` or
 shards listed in ``model.safetensors.index.json``. Tensors carry DeepSeek's own
-names (ARCHITECTURE 1.10); quantised weights have a ``.scale`` sibling. The
+names (docs/design/architecture.md §1.10); quantised weights have a ``.scale`` sibling. The
 storage format of every tensor is fixed by ``weight_format`` (the decision table
 in docs/design/checkpoints.md). Tensors are read lazily, one at a time, and
 dequantised on the CPU before they are copied into the model.
@@ -58,7 +58,7 @@ class CheckpointError(ValueError):
 
 
 class WeightFormat(StrEnum):
-    """How one logical tensor is stored (ARCHITECTURE 1.10)."""
+    """How one logical tensor is stored (docs/design/architecture.md §1.10)."""
 
     BF16 = "bf16"
     FP32 = "fp32"

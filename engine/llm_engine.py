@@ -36,7 +36,7 @@ from kvstore.layout import kv_layout
 from kvstore.manager import KVCacheManager
 from kvstore.stats import KVStats
 
-EOS_TOKEN_ID = 1  # the DeepSeek tokenizer's EOS (ARCHITECTURE 1.1)
+EOS_TOKEN_ID = 1  # the DeepSeek tokenizer's EOS (docs/design/architecture.md §1.1)
 
 
 @dataclass(slots=True)

@@ -1,4 +1,4 @@
-"""Which rows run this step (ARCHITECTURE 2.4, docs/design/engine.md).
+"""Which rows run this step (docs/design/architecture.md §2.4, docs/design/engine.md).
 
 Each step, under a token budget (one row per decode, a chunk's encoder rows
 per prefill) and a cap on admitted sequences:

@@ -1,4 +1,4 @@
-"""KV cache records (ARCHITECTURE 1.10): float vectors <-> fixed-size byte records.
+"""KV cache records (docs/design/architecture.md §1.10): float vectors <-> fixed-size byte records.
 
 Each record is its data bytes followed by its scale bytes. Every function takes
 ``[..., dims]`` (any leading shape, including an empty batch; bf16, fp16 or fp32;

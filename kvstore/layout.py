@@ -1,4 +1,4 @@
-"""Byte layout of the paged global KV (ARCHITECTURE 1.10, 2.3).
+"""Byte layout of the paged global KV (docs/design/architecture.md §1.10, §2.3).
 
 The kvstore knows bytes, not the model: the engine describes each kv source
 with plain numbers and we derive every size from them. A page covers

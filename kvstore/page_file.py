@@ -1,4 +1,4 @@
-"""On-disk format of one persisted page (ARCHITECTURE 2.3).
+"""On-disk format of one persisted page (docs/design/architecture.md §2.3).
 
     header (80 B) | payload (layout.page_bytes) | xxh3-128 of header + payload (16 B)
 

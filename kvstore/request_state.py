@@ -1,4 +1,6 @@
-"""Per-request KV state that is not paged and never persisted (ARCHITECTURE 1.10, 2.3).
+"""Per-request KV state that is not paged and never persisted.
+
+See docs/design/architecture.md §1.10 and §2.3.
 
 - SWA windows: per layer a ring of ``sliding_window`` MXFP8 records (528 B);
   the record of position ``p`` lives in ring slot ``p % sliding_window``.

@@ -43,7 +43,7 @@ def engram_table_primes(
 ) -> list[list[int]]:
     """Engram hash moduli, one list of ``len(orders) * n_heads`` primes per Engram layer.
 
-    ARCHITECTURE 1.9 and Part 3: for every (layer, order) the walk restarts at
+    docs/design/architecture.md §1.9 and §3.6: for every (layer, order) the walk restarts at
     ``vocab_size - 1`` and goes upward; a prime is never used twice, across orders
     and layers. A layer's table has ``sum(primes)`` rows; the official config's
     ``engram_num_embeddings`` [384006168, 384016682] follow from this rule.
@@ -71,7 +71,7 @@ def _engram_table_primes(
 
 
 class LayerRole(StrEnum):
-    """CSA2 role of a layer (ARCHITECTURE 1.2)."""
+    """CSA2 role of a layer (docs/design/architecture.md §1.2)."""
 
     SWA_ONLY = "swa_only"  # compress ratio 0: sliding window only
     FULL = "full"  # kv source + index source: own compressor, own indexer
@@ -206,7 +206,7 @@ class ModelConfig:
 
         CED prefill runs layers below it over every prompt token, plus this layer's
         KV writes; this layer's query side and everything above it replay only the
-        last window (ARCHITECTURE 2.1, Part 3 "Replay cut").
+        last window (docs/design/architecture.md §2.1, §3.1).
         """
         return max(self.kv_source_layer_ids)
 

@@ -1,4 +1,4 @@
-"""Lightning indexer of V4.1 (ARCHITECTURE 1.7).
+"""Lightning indexer of V4.1 (docs/design/architecture.md §1.7).
 
 Index sources own ``wq_b`` and ``weights_proj`` (the query side); kv sources
 also own ``wk`` and ``k_norm``, which turn the compressor's un-RoPE'd latent

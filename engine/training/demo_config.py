@@ -16,7 +16,7 @@ from engine.model.config import ModelConfig, engram_table_primes
 
 DEMO_NAME = "demo"
 DEMO_VOCAB_SIZE = 4096
-# Engram primes start above this (ARCHITECTURE 1.9): ~4k rows per head and order.
+# Engram primes start above this (docs/design/architecture.md §1.9): ~4k rows per head and order.
 DEMO_ENGRAM_VOCAB = 4000
 # The engine's max_model_len: training sees 256 tokens; 1024 bounds a reply's cost on a CPU.
 DEMO_MAX_POSITIONS = 1024

@@ -142,7 +142,8 @@ def test_record_sizes_and_layouts():
     assert (INDEX_KEY.data_bytes, INDEX_KEY.scale_bytes, INDEX_KEY.record_bytes) == (64, 4, 68)
     assert (INDEX_KEY_FP8.data_bytes, INDEX_KEY_FP8.scale_bytes) == (128, 4)
     assert (SWA.data_bytes, SWA.scale_bytes, SWA.record_bytes) == (512, 16, 528)
-    # ARCHITECTURE 1.10: three ratio-2 sources and one ratio-1 source cost 890 B per token
+    # docs/design/architecture.md §1.10: three ratio-2 sources and one ratio-1 source
+    # cost 890 B per token
     assert (
         3 * MAIN_KV_BYTES // 2 + MAIN_KV_BYTES + 3 * INDEX_KEY_BYTES // 2 + INDEX_KEY_BYTES == 890
     )
