@@ -21,10 +21,7 @@ import torch
 from engine.checkpoint import WeightFormat, skip_init, weight_format
 from engine.model.config import ModelConfig
 from engine.model.model import DeepseekV41
-
-MAIN_KV_RECORD_BYTES = 288  # RoPE'd 512-d latent, FP4 with e4m3 tile scales
-INDEX_KEY_RECORD_BYTES = 68  # 128-d index key, MXFP4
-SWA_RECORD_BYTES = 528  # 512-d SWA entry, MXFP8
+from kernels import kv_formats
 
 _LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 _ROUTED_EXPERT = re.compile(r"ffn\.experts\.\d+\.")
@@ -96,16 +93,13 @@ def _as_number(value: Fraction) -> int | float:
 
 def global_kv_bytes_per_token(config: ModelConfig) -> int | float:
     """Main record plus index key of every kv source, one entry per ``ratio`` tokens."""
-    total = sum(
-        Fraction(MAIN_KV_RECORD_BYTES + INDEX_KEY_RECORD_BYTES, config.compress_ratio(s))
-        for s in config.kv_source_layer_ids
-    )
-    return _as_number(Fraction(total))
+    ratios = [config.compress_ratio(s) for s in config.kv_source_layer_ids]
+    return _as_number(kv_formats.global_kv_bytes_per_token(ratios))
 
 
 def swa_kv_bytes_per_request(config: ModelConfig) -> int:
     """A full sliding window of MXFP8 records in every layer (bounded per request)."""
-    return config.sliding_window * SWA_RECORD_BYTES * config.num_hidden_layers
+    return kv_formats.swa_bytes_per_request(config.sliding_window, config.num_hidden_layers)
 
 
 def account(config: ModelConfig, shapes: dict[str, tuple[int, ...]] | None = None) -> Accounting:

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.kv_formats import SWA
+
 
 class OutOfRequestSlots(RuntimeError):
     """Every request slot is taken; the scheduler must wait or preempt."""
@@ -31,7 +33,7 @@ class RequestStateLayout:
 
     swa_layers: int  # layers with an SWA window: every layer (plus DSpark blocks if served)
     sliding_window: int
-    swa_record_bytes: int = 528
+    swa_record_bytes: int = SWA.record_bytes
     compressor_sources: int = 0  # kv sources with ratio > 1
     compressor_rows: int = 1  # open-group rows kept: ratio - 1
     compressor_row_width: int = 1024  # [a | g]: 2 x head_dim fp32
@@ -43,7 +45,7 @@ class RequestStateLayout:
         sliding_window: int,
         kv_source_ratios: Sequence[int],
         head_dim: int,
-        swa_record_bytes: int = 528,
+        swa_record_bytes: int = SWA.record_bytes,
     ) -> RequestStateLayout:
         """From plain config numbers: one compressor state per kv source with ratio > 1."""
         grouped = [r for r in kv_source_ratios if r > 1]
