@@ -125,8 +125,8 @@ def bench_model(tokens: list[int], hit_tokens: int, recompute_runs: int) -> dict
     from engine.model.engram import build_compressed_vocab
     from engine.model.model import DeepseekV41
     from engine.model_runner import PagedModelRunner
-    from engine.runner import PrefillChunk, StepBatch
     from engine.sequence import Sequence
+    from engine.step import PrefillChunk, StepBatch
     from engine.tokenizer import load_tokenizer
 
     cfg = ModelConfig.tiny()

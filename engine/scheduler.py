@@ -26,8 +26,8 @@ import time
 from collections.abc import Callable
 
 from engine.engine_config import EngineConfig
-from engine.runner import PrefillChunk, StepBatch
 from engine.sequence import Sequence, SequenceStatus
+from engine.step import PrefillChunk, StepBatch
 from kvstore.block_pool import OutOfPages
 from kvstore.manager import KVCacheManager
 
