@@ -255,7 +255,8 @@ def run(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from engine.async_engine import AsyncEngine, checkpoint_fingerprint
+    from engine.async_engine import AsyncEngine
+    from engine.builder import checkpoint_fingerprint
     from server.app import create_app
 
     started = time.monotonic()
