@@ -123,7 +123,8 @@ class Scheduler:
         """Plan ``seq``'s restore and its first chunk, or None if the pool cannot take it."""
         # A prefill holds pages for its whole sequence before it yields a token;
         # admitting without them would only start work that preemption throws away.
-        if self.pages_needed(seq.num_tokens) > self.kv.pool.num_available:
+        # A waiting sequence holds no pages, so this asks for all of them.
+        if not self.kv.can_allocate(seq.seq_id, seq.num_tokens):
             return None
         plan = self.kv.plan_restore(
             seq.seq_id,
