@@ -238,7 +238,7 @@ def model_path(model: str, seed: int) -> Path:
     if model == "tiny":
         return tiny_checkpoint(seed, cache_dir())
     if model == "demo":
-        from engine.training.demo_config import demo_checkpoint_dir
+        from training.demo_config import demo_checkpoint_dir
 
         return demo_checkpoint_dir()
     return Path(model)

@@ -45,4 +45,4 @@ def demo_config(vocab_size: int, compressed_vocab_size: int, pad_token_id: int) 
 
 def demo_checkpoint_dir() -> Path:
     """``models/demo`` of the source tree: what ``--model demo`` serves."""
-    return Path(__file__).resolve().parents[2] / "models" / DEMO_NAME
+    return Path(__file__).resolve().parents[1] / "models" / DEMO_NAME

@@ -11,7 +11,7 @@ import torch
 from engine.model.config import ModelConfig
 from engine.model.model import DeepseekV41
 from engine.model.reference import KVPrecision, forward_train
-from engine.training.indexer_loss import AttentionInputs, indexer_kl, readers
+from training.indexer_loss import AttentionInputs, indexer_kl, readers
 
 CONFIG = ModelConfig.tiny().replace(vocab_size=512)
 EXACT = KVPrecision("exact", "exact")

@@ -20,10 +20,10 @@ import torch.nn.functional as F
 
 from engine.model.model import DeepseekV41
 from engine.model.reference import KVPrecision, forward, forward_train
-from engine.training.data import SequenceSampler
-from engine.training.indexer_loss import AttentionInputs, indexer_kl
-from engine.training.router_balance import RouterBalance
-from engine.training.weight_qat import quantised_weights
+from training.data import SequenceSampler
+from training.indexer_loss import AttentionInputs, indexer_kl
+from training.router_balance import RouterBalance
+from training.weight_qat import quantised_weights
 
 EXACT_KV = KVPrecision(global_kv="exact", swa="exact")
 
