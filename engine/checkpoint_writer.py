@@ -38,7 +38,6 @@ _PLAIN_BYTES = {WeightFormat.BF16: 2, WeightFormat.FP32: 4}
 # order they take the free placeholders.
 TINY_EXTRA_TOKENS = ("<｜System｜>", "<｜deepseek_image｜>")
 PLACEHOLDER_PREFIX = "<｜place▁holder▁no▁"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 def _e8m0(scale: torch.Tensor) -> torch.Tensor:

@@ -57,9 +57,6 @@ class Scheduler:
         assert seq.status is SequenceStatus.WAITING
         bisect.insort(self.waiting, seq, key=_key)
 
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
-
     def finish(self, seq: Sequence) -> None:
         """Take ``seq`` out of the queues and give back its pages and runner state."""
         if seq.status is SequenceStatus.RUNNING:

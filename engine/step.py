@@ -60,10 +60,6 @@ class StepBatch:
         """Rows charged to the step's token budget (encoder rows of chunks, one per decode)."""
         return len(self.decodes) + sum(c.num_tokens for c in self.prefills)
 
-    @property
-    def num_seqs(self) -> int:
-        return len(self.decodes) + len(self.prefills)
-
     def __bool__(self) -> bool:
         return bool(self.prefills or self.decodes)
 

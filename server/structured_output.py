@@ -76,11 +76,10 @@ def grammar_tokenizer_info(
 class GrammarMaskProvider:
     """A ``TokenMaskProvider`` backed by one xgrammar matcher (one sequence)."""
 
-    __slots__ = ("_bitmask", "_matcher", "_vocab_size")
+    __slots__ = ("_bitmask", "_matcher")
 
     def __init__(self, compiled: xgr.CompiledGrammar, vocab_size: int) -> None:
         self._matcher = xgr.GrammarMatcher(compiled)
-        self._vocab_size = vocab_size
         self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
 
     def allowed_tokens(self) -> torch.Tensor:
@@ -197,14 +196,6 @@ class StructuredOutputCompiler:
             parallel_tool_calls=parallel_tool_calls,
         )
         return tag.format
-
-
-def _function_spec(tool: Tool) -> dict[str, Any]:
-    """A function for xgrammar: ``strict`` dropped (xgrammar would leave non-strict
-    arguments unconstrained) and no ``parameters`` read as OpenAI does, no arguments."""
-    spec = tool.function.model_dump(exclude_none=True, exclude={"strict"})
-    spec.setdefault("parameters", NO_PARAMETERS)
-    return spec
 
 
 def _json_format(response_format: ResponseFormat) -> JSONSchemaFormat:

@@ -22,7 +22,6 @@ from typing import Any
 from tokenizers import Tokenizer
 
 Message = dict[str, str]
-WORKLOADS = ("agent", "shared-prefix", "random")
 
 # Vocabulary entries that decode to a space and 3-10 lower-case letters (byte-level
 # BPE spells the space as "Ġ"). Joined with their spaces they re-encode one for one.

@@ -210,10 +210,6 @@ class ModelConfig:
         """
         return max(self.kv_source_layer_ids)
 
-    @property
-    def num_encoder_layers(self) -> int:
-        return self.ced_boundary
-
     def engram_primes(self) -> list[list[int]]:
         return engram_table_primes(
             self.engram_vocab_size,
@@ -221,10 +217,6 @@ class ModelConfig:
             self.engram_orders,
             self.engram_n_heads,
         )
-
-    @property
-    def nope_head_dim(self) -> int:
-        return self.head_dim - self.qk_rope_head_dim
 
     @property
     def engram_orders(self) -> list[int]:
