@@ -180,14 +180,7 @@ class StructuredOutputCompiler:
         choice = (
             tool_choice.model_dump() if isinstance(tool_choice, NamedToolChoice) else tool_choice
         )
-        # `strict` is dropped: xgrammar would leave non-strict arguments unconstrained.
-        specs = [
-            {
-                "type": "function",
-                "function": t.function.model_dump(exclude_none=True, exclude={"strict"}),
-            }
-            for t in tools
-        ]
+        specs = [{"type": "function", "function": _function_spec(t)} for t in tools]
         tag = xgr.get_model_structural_tag(
             XGRAMMAR_MODEL,
             tools=specs,
@@ -196,6 +189,15 @@ class StructuredOutputCompiler:
             parallel_tool_calls=parallel_tool_calls,
         )
         return tag.format
+
+
+def _function_spec(tool: Tool) -> dict[str, Any]:
+    """A function for xgrammar: ``strict`` dropped (xgrammar would leave non-strict
+    arguments unconstrained), and no ``parameters`` read as OpenAI does, no arguments
+    (xgrammar would allow any JSON)."""
+    spec = tool.function.model_dump(exclude_none=True, exclude={"strict"})
+    spec.setdefault("parameters", NO_PARAMETERS)
+    return spec
 
 
 def _json_format(response_format: ResponseFormat) -> JSONSchemaFormat:
