@@ -289,13 +289,15 @@ def dequantize(
     fmt: WeightFormat | None, weight: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype
 ) -> torch.Tensor:
     """The logical tensor from its stored form (``fmt`` None: plain float), in ``dtype``."""
+    if fmt not in (WeightFormat.FP8_BLOCK, WeightFormat.MXFP4, WeightFormat.FP8_ROWS):
+        return weight.to(dtype)
+    if scale is None:
+        raise ValueError(f"a {fmt} weight needs its .scale")
     if fmt is WeightFormat.FP8_BLOCK:
         return dequantize_fp8_block(weight, scale, dtype)
     if fmt is WeightFormat.MXFP4:
         return dequantize_mxfp4_weight(weight, scale, dtype)
-    if fmt is WeightFormat.FP8_ROWS:
-        return dequantize_fp8_rows(weight, scale, dtype)
-    return weight.to(dtype)
+    return dequantize_fp8_rows(weight, scale, dtype)
 
 
 # Random initialisers a module constructor may call; see ``skip_init``.

@@ -64,7 +64,7 @@ def decode_header(raw: bytes) -> PageHeader | None:
     return PageHeader(fp, pt, n, payload, page_hash, flags, version)
 
 
-def checksum(header: bytes, payload: bytes | memoryview) -> bytes:
+def checksum(header: bytes | memoryview, payload: bytes | memoryview) -> bytes:
     h = xxhash.xxh3_128()
     h.update(header)
     h.update(payload)

@@ -340,7 +340,7 @@ class PersistentStore:
         tmp = final.with_name(f".{page_hash.hex()}.{os.getpid()}.{seq}{TEMP_SUFFIX}")
         try:
             header = self._expected_header(page_hash).encode()
-            payload = memoryview(snapshot.numpy())
+            payload = snapshot.numpy().data  # a memoryview, no copy
             trailer = checksum(header, payload)
             self._make_shard_dirs(final.parent)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)

@@ -180,7 +180,7 @@ class StructuredOutputCompiler:
         choice = (
             tool_choice.model_dump() if isinstance(tool_choice, NamedToolChoice) else tool_choice
         )
-        specs = [{"type": "function", "function": _function_spec(t)} for t in tools]
+        specs: list[Any] = [{"type": "function", "function": _function_spec(t)} for t in tools]
         tag = xgr.get_model_structural_tag(
             XGRAMMAR_MODEL,
             tools=specs,

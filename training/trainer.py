@@ -76,7 +76,8 @@ def learning_rate(step: int, cfg: TrainConfig) -> float:
 
 def _optimizer(model: DeepseekV41, cfg: TrainConfig) -> torch.optim.AdamW:
     """Weight decay on matrices only; the routers' biases are moved by RouterBalance."""
-    decay, plain = [], []
+    decay: list[torch.nn.Parameter] = []
+    plain: list[torch.nn.Parameter] = []
     for name, p in model.named_parameters():
         if name.endswith("gate.bias"):
             p.requires_grad_(False)

@@ -375,10 +375,12 @@ class ModelConfig:
         boundary), 5 Reuse, 6 Reindex, 7 Reuse. The 512-d latent, 64 RoPE dims and
         128-d index keys stay at full size so the KV byte formats are the real ones.
         """
-        engram = dict(engram_vocab_size=1000, engram_n_heads=2, engram_layer_ids=[1, 2])
-        rows = [sum(p) for p in engram_table_primes(1000, 2, [2, 3, 4], engram["engram_n_heads"])]
+        heads, layers = 2, [1, 2]
+        rows = [sum(p) for p in engram_table_primes(1000, len(layers), [2, 3, 4], heads)]
         return cls(
-            **engram,
+            engram_vocab_size=1000,
+            engram_n_heads=heads,
+            engram_layer_ids=layers,
             engram_num_embeddings=rows,
             hidden_size=256,
             moe_intermediate_size=128,

@@ -30,6 +30,10 @@ def indexer_scores(qi: torch.Tensor, w: torch.Tensor, k: torch.Tensor) -> torch.
 class Indexer(nn.Module):
     """``attn.indexer`` of an index source layer."""
 
+    inv_freq: torch.Tensor  # a buffer
+    wk: nn.Linear | None
+    k_norm: RMSNorm | None
+
     def __init__(self, config: ModelConfig, layer_id: int) -> None:
         super().__init__()
         if layer_id not in config.index_source_layer_ids:

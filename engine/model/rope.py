@@ -47,7 +47,7 @@ def yarn_inv_freq(
         )
 
     low = max(math.floor(correction_dim(beta_fast)), 0)
-    high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
+    high: float = min(math.ceil(correction_dim(beta_slow)), dim - 1)
     if low == high:
         high += 0.001  # a one-point ramp is a step; avoid 0/0 as public ports do
     i = torch.arange(dim // 2, dtype=torch.float64)
