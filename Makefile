@@ -26,9 +26,12 @@ setup: $(STAMP)
 serve: setup
 	$(BIN)/flashserve serve --model $(MODEL) --host $(HOST) --port $(PORT)
 
+# Static types too (mypy, configured in pyproject.toml: engine, kvstore, kernels,
+# server, training).
 lint: setup lint-deploy
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 # Dockerfiles, compose, kustomize overlays, alert rules (scripts/lint_deploy.sh).
 lint-deploy: setup
@@ -52,4 +55,4 @@ bench: setup
 	$(BIN)/flashserve bench --launch --launch-model $(BENCH_MODEL) $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

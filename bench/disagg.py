@@ -45,8 +45,8 @@ from bench.serving.client import ClientConfig  # noqa: E402
 from bench.serving.driver import Arrivals, run_workload  # noqa: E402
 from bench.serving.launch import LaunchedServer, ServerSpec  # noqa: E402
 from bench.serving.metrics import compute_metrics  # noqa: E402
+from bench.serving.workloads import workload_from_args  # noqa: E402
 from engine.tokenizer import load_tokenizer  # noqa: E402
-from flashserve.bench_cmd import build_workload  # noqa: E402
 
 HEADLINE = (
     ("mean_ttft_ms", "mean TTFT (ms)"),
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--cores takes two cores, e.g. 0,1")
 
     tokenizer = load_tokenizer()
-    workload = build_workload(args, tokenizer)  # the agent workload of `flashserve bench`
+    workload = workload_from_args(args, tokenizer)  # the agent workload of `flashserve bench`
     arrivals = Arrivals(args.request_rate, seed=args.seed)
 
     def run(base_url: str) -> dict[str, Any]:

@@ -34,9 +34,9 @@ from engine.model.model import DeepseekV41
 from engine.model.replay import ReplayPlan
 from engine.model_runner import PagedModelRunner
 from engine.request import Request
-from engine.runner import PrefillChunk, StepBatch
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
+from engine.step import PrefillChunk, StepBatch
 from kernels.kv_cache_ops import store_kv_entries
 from kvstore.layout import kv_layout
 from kvstore.manager import KVCacheManager

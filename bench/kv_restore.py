@@ -5,7 +5,7 @@
     (POSIX_FADV_DONTNEED); a fresh manager then rebuilds its index and
     ``plan_restore`` loads every page into the device pool. Median of --runs.
     Then the bounded replay the restore implies (the last W prefix tokens plus
-    the new token, ARCHITECTURE 2.1.4) on the tiny model.
+    the new token, docs/design/architecture.md §2.1.4) on the tiny model.
 (b) recompute: the same prompt prefilled from scratch on the tiny model
     (CED prefill, semantics 2) by the engine's paged runner.
 (c) bytes on disk per cached token for the official layout, headers included.
@@ -126,8 +126,8 @@ def bench_model(tokens: list[int], hit_tokens: int, recompute_runs: int) -> dict
     from engine.model.model import DeepseekV41
     from engine.model.replay import ReplayPlan
     from engine.model_runner import PagedModelRunner
-    from engine.runner import PrefillChunk, StepBatch
     from engine.sequence import Sequence
+    from engine.step import PrefillChunk, StepBatch
     from engine.tokenizer import load_tokenizer
 
     cfg = ModelConfig.tiny()

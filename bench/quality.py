@@ -44,9 +44,9 @@ from engine.checkpoint import load_checkpoint
 from engine.model.model import DeepseekV41
 from engine.model.reference import GlobalKV, KVPrecision, ReplayPlan, forward
 from engine.tokenizer import load_tokenizer
-from engine.training.corpus import load_corpus
-from engine.training.data import heldout_windows
-from engine.training.demo_config import demo_checkpoint_dir
+from training.corpus import load_corpus
+from training.data import heldout_windows
+from training.demo_config import demo_checkpoint_dir
 
 EXACT = KVPrecision(global_kv="exact", swa="exact")
 BF16 = KVPrecision(global_kv="bf16", swa="exact")

@@ -2,7 +2,7 @@
 
 Parameter counts come from the shapes of a ``DeepseekV41`` built on the
 ``meta`` device (nothing is allocated), classified by tensor name. KV bytes
-follow the record sizes of ARCHITECTURE 1.10. What each "active" number
+follow the record sizes of docs/design/architecture.md §1.10. What each "active" number
 includes is defined in docs/design/checkpoints.md.
 """
 
@@ -21,15 +21,12 @@ import torch
 from engine.checkpoint import WeightFormat, skip_init, weight_format
 from engine.model.config import ModelConfig
 from engine.model.model import DeepseekV41
-
-MAIN_KV_RECORD_BYTES = 288  # RoPE'd 512-d latent, FP4 with e4m3 tile scales
-INDEX_KEY_RECORD_BYTES = 68  # 128-d index key, MXFP4
-SWA_RECORD_BYTES = 528  # 512-d SWA entry, MXFP8
+from kernels import kv_formats
 
 _LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 _ROUTED_EXPERT = re.compile(r"ffn\.experts\.\d+\.")
 # What layer B must run on every prompt token so its global KV and index keys
-# exist (ARCHITECTURE Part 3): Engram (it updates R before the attention input),
+# exist (docs/design/architecture.md §3.1): Engram (it updates R before the attention input),
 # attn_norm, the SWA KV projection, the compressor and the index-key projection.
 # The attention input collapses R with the previous sublayer's `pre` (1.3), so
 # B's own hc_attn coefficients are not needed until its output is mixed.
@@ -96,16 +93,13 @@ def _as_number(value: Fraction) -> int | float:
 
 def global_kv_bytes_per_token(config: ModelConfig) -> int | float:
     """Main record plus index key of every kv source, one entry per ``ratio`` tokens."""
-    total = sum(
-        Fraction(MAIN_KV_RECORD_BYTES + INDEX_KEY_RECORD_BYTES, config.compress_ratio(s))
-        for s in config.kv_source_layer_ids
-    )
-    return _as_number(Fraction(total))
+    ratios = [config.compress_ratio(s) for s in config.kv_source_layer_ids]
+    return _as_number(kv_formats.global_kv_bytes_per_token(ratios))
 
 
 def swa_kv_bytes_per_request(config: ModelConfig) -> int:
     """A full sliding window of MXFP8 records in every layer (bounded per request)."""
-    return config.sliding_window * SWA_RECORD_BYTES * config.num_hidden_layers
+    return kv_formats.swa_bytes_per_request(config.sliding_window, config.num_hidden_layers)
 
 
 def account(config: ModelConfig, shapes: dict[str, tuple[int, ...]] | None = None) -> Accounting:

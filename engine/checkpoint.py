@@ -2,7 +2,7 @@
 
 A checkpoint directory holds ``config.json`` and either ``model.safetensors`` or
 shards listed in ``model.safetensors.index.json``. Tensors carry DeepSeek's own
-names (ARCHITECTURE 1.10); quantised weights have a ``.scale`` sibling. The
+names (docs/design/architecture.md §1.10); quantised weights have a ``.scale`` sibling. The
 storage format of every tensor is fixed by ``weight_format`` (the decision table
 in docs/design/checkpoints.md). Tensors are read lazily, one at a time, and
 dequantised on the CPU before they are copied into the model.
@@ -69,7 +69,7 @@ class CheckpointError(ValueError):
 
 
 class WeightFormat(StrEnum):
-    """How one logical tensor is stored (ARCHITECTURE 1.10)."""
+    """How one logical tensor is stored (docs/design/architecture.md §1.10)."""
 
     BF16 = "bf16"
     FP32 = "fp32"
@@ -302,13 +302,15 @@ def dequantize(
     fmt: WeightFormat | None, weight: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype
 ) -> torch.Tensor:
     """The logical tensor from its stored form (``fmt`` None: plain float), in ``dtype``."""
+    if fmt not in (WeightFormat.FP8_BLOCK, WeightFormat.MXFP4, WeightFormat.FP8_ROWS):
+        return weight.to(dtype)
+    if scale is None:
+        raise ValueError(f"a {fmt} weight needs its .scale")
     if fmt is WeightFormat.FP8_BLOCK:
         return dequantize_fp8_block(weight, scale, dtype)
     if fmt is WeightFormat.MXFP4:
         return dequantize_mxfp4_weight(weight, scale, dtype)
-    if fmt is WeightFormat.FP8_ROWS:
-        return dequantize_fp8_rows(weight, scale, dtype)
-    return weight.to(dtype)
+    return dequantize_fp8_rows(weight, scale, dtype)
 
 
 # Random initialisers a module constructor may call; see ``skip_init``.

@@ -34,11 +34,10 @@ from kernels.weight_formats import quantize_fp8_block, quantize_fp8_rows, quanti
 # Bytes per element on disk: quantised weights and E8M0 scales are one byte each.
 _PLAIN_BYTES = {WeightFormat.BF16: 2, WeightFormat.FP32: 4}
 
-# V4.1 chat tokens missing from the V4 tokenizer (ARCHITECTURE Part 3), in the
+# V4.1 chat tokens missing from the V4 tokenizer (docs/design/architecture.md §3.5), in the
 # order they take the free placeholders.
 TINY_EXTRA_TOKENS = ("<｜System｜>", "<｜deepseek_image｜>")
 PLACEHOLDER_PREFIX = "<｜place▁holder▁no▁"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 def _e8m0(scale: torch.Tensor) -> torch.Tensor:

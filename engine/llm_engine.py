@@ -28,11 +28,11 @@ from engine.request import (
     TokenLogprob,
     Usage,
 )
-from engine.runner import ModelRunner, StepBatch
 from engine.sampler import Sampler, SeqHistory, make_generator
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
+from engine.step import ModelRunner, StepBatch
 from kvstore.layout import kv_layout
 from kvstore.manager import KVCacheManager
 from kvstore.stats import KVStats

@@ -20,14 +20,14 @@ import torch
 
 from engine.model.model import DeepseekV41
 from engine.paged_backend import PagedKV, Segment
-from engine.runner import StepBatch
 from engine.sequence import Sequence
+from engine.step import StepBatch
 from kvstore.manager import KVCacheManager
 from kvstore.request_state import RequestStateLayout, RequestStatePool
 
 
 class PagedModelRunner:
-    """Implements ``engine.runner.ModelRunner`` over a ``KVCacheManager``."""
+    """Implements ``engine.step.ModelRunner`` over a ``KVCacheManager``."""
 
     def __init__(self, model: DeepseekV41, kv: KVCacheManager, max_num_seqs: int) -> None:
         self.model = model

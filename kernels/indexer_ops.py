@@ -1,6 +1,6 @@
 """Lightning-indexer scoring over paged MXFP4 index keys, and the block max for candidates.
 
-ARCHITECTURE 1.7: ``I[t, s] = sum_h w[t, h] * relu(qi[t, h] . k[s])`` over the
+docs/design/architecture.md §1.7: ``I[t, s] = sum_h w[t, h] * relu(qi[t, h] . k[s])`` over the
 entries s visible to row t; the candidate source then ranks blocks of
 ``candidate_block_size`` entries by their best score. Top-k and the candidate
 rules stay in ``engine.model.candidates``.

@@ -1,4 +1,4 @@
-"""KV cache records (ARCHITECTURE 1.10): float vectors <-> fixed-size byte records.
+"""KV cache records (docs/design/architecture.md §1.10): float vectors <-> fixed-size byte records.
 
 Each record is its data bytes followed by its scale bytes. Every function takes
 ``[..., dims]`` (any leading shape, including an empty batch; bf16, fp16 or fp32;
@@ -11,7 +11,9 @@ tile's values decode to NaN. Byte layouts and decisions: docs/design/formats.md.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+from fractions import Fraction
 
 import torch
 
@@ -48,15 +50,50 @@ class KVRecordLayout:
         return self.data_bytes + self.scale_bytes
 
 
-MAIN_KV_BYTES = 288  # 256 B of E2M1 pairs + 32 E4M3 scales (one per 16 values)
-INDEX_KEY_BYTES = 68  # 64 B of E2M1 pairs + 4 UE8M0 scales (one per 32 values)
-INDEX_KEY_FP8_BYTES = 132  # 128 E4M3 values + one little-endian fp32 scale
-SWA_BYTES = 528  # 512 E4M3 values + 16 UE8M0 scales (one per 32 values)
-
+# The record sizes, defined here once; kvstore's page layout and the accounting of
+# ``flashserve inspect`` import them.
 MAIN_KV = KVRecordLayout("main_kv", dims=512, tile=16, data_bytes=256, scale_bytes=32)
 INDEX_KEY = KVRecordLayout("index_key", dims=128, tile=32, data_bytes=64, scale_bytes=4)
 INDEX_KEY_FP8 = KVRecordLayout("index_key_fp8", dims=128, tile=128, data_bytes=128, scale_bytes=4)
 SWA = KVRecordLayout("swa", dims=512, tile=32, data_bytes=512, scale_bytes=16)
+# The ``--kv-dtype bf16`` ablation stores global KV unquantised: 2 B per value, no scales.
+MAIN_KV_BF16 = KVRecordLayout("main_kv_bf16", dims=512, tile=512, data_bytes=1024, scale_bytes=0)
+INDEX_KEY_BF16 = KVRecordLayout("index_key_bf16", dims=128, tile=128, data_bytes=256, scale_bytes=0)
+
+MAIN_KV_BYTES = MAIN_KV.record_bytes  # 288: 256 B of E2M1 pairs + 32 E4M3 scales (per 16)
+INDEX_KEY_BYTES = INDEX_KEY.record_bytes  # 68: 64 B of E2M1 pairs + 4 UE8M0 scales (per 32)
+INDEX_KEY_FP8_BYTES = INDEX_KEY_FP8.record_bytes  # 132: 128 E4M3 values + one fp32 scale
+SWA_BYTES = SWA.record_bytes  # 528: 512 E4M3 values + 16 UE8M0 scales (per 32)
+
+# Global KV record pair (main record, index key) of each ``kv_dtype``.
+GLOBAL_KV_RECORDS: dict[str, tuple[KVRecordLayout, KVRecordLayout]] = {
+    "fp4": (MAIN_KV, INDEX_KEY),
+    "bf16": (MAIN_KV_BF16, INDEX_KEY_BF16),
+}
+
+
+def global_kv_records(kv_dtype: str) -> tuple[KVRecordLayout, KVRecordLayout]:
+    """(main record, index key) layouts of ``kv_dtype``; a clear error for an unknown one."""
+    if kv_dtype not in GLOBAL_KV_RECORDS:
+        raise ValueError(
+            f"unknown kv dtype {kv_dtype!r}; expected one of {sorted(GLOBAL_KV_RECORDS)}"
+        )
+    return GLOBAL_KV_RECORDS[kv_dtype]
+
+
+def global_kv_bytes_per_token(source_ratios: Iterable[int], kv_dtype: str = "fp4") -> Fraction:
+    """Bytes of global KV per input token: each kv source stores a main record and an
+    index key once per ``ratio`` tokens (official fp4: 3 x 356 / 2 + 356 = 890)."""
+    main, index = global_kv_records(kv_dtype)
+    return sum(
+        (Fraction(main.record_bytes + index.record_bytes, r) for r in source_ratios), Fraction(0)
+    )
+
+
+def swa_bytes_per_request(sliding_window: int, swa_layers: int) -> int:
+    """A full window of SWA records in every layer: bounded per request, never paged."""
+    return sliding_window * SWA.record_bytes * swa_layers
+
 
 MAIN_KV_MIN_SCALE = 2.0**-9  # smallest E4M3 subnormal: the scale never rounds to zero
 INDEX_KEY_AMAX_FLOOR = E2M1_MAX * 2.0**-126  # so e >= -126

@@ -1,6 +1,6 @@
 """Sparse MQA with a per-head sink over a row's SWA window and its selected global entries.
 
-ARCHITECTURE 1.4: query row t (64 heads x 512) attends, with K = V, to the union
+docs/design/architecture.md §1.4: query row t (64 heads x 512) attends, with K = V, to the union
 of its valid SWA keys and its top-k compressed entries (paged FP4 records of
 the layer's kv source). The softmax includes one extra logit ``sink[h]`` whose
 column is dropped, so a row with no keys returns zeros. The keys carry RoPE,

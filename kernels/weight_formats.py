@@ -1,4 +1,6 @@
-"""Checkpoint weight formats (ARCHITECTURE 1.10, 1.9): quantise for writing, dequantise for loading.
+"""Checkpoint weight formats: quantise for writing, dequantise for loading.
+
+See docs/design/architecture.md §1.10 and §1.9.
 
 Every scale is a power of two stored as an E8M0 byte; functions return scales
 as ``torch.float8_e8m0fnu`` (safetensors ``F8_E8M0``, as the official

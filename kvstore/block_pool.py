@@ -54,11 +54,6 @@ class BlockPool:
     def num_in_use(self) -> int:
         return self.num_pages - self.num_available
 
-    @property
-    def num_cached(self) -> int:
-        """Pages holding a registered hash (in use or not)."""
-        return len(self.page_to_hash)
-
     def lookup(self, page_hash: bytes) -> int | None:
         return self.hash_to_page.get(page_hash)
 

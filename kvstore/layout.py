@@ -1,4 +1,4 @@
-"""Byte layout of the paged global KV (ARCHITECTURE 1.10, 2.3).
+"""Byte layout of the paged global KV (docs/design/architecture.md §1.10, §2.3).
 
 The kvstore knows bytes, not the model: the engine describes each kv source
 with plain numbers and we derive every size from them. A page covers
@@ -16,18 +16,12 @@ from typing import Literal
 
 import blake3
 
+from kernels.kv_formats import INDEX_KEY, MAIN_KV, global_kv_records
+
 # Bumped whenever the meaning of a page's bytes changes; part of the fingerprint.
 LAYOUT_VERSION = 1
 
 KVDtype = Literal["fp4", "bf16"]
-
-# Record sizes per kv dtype: (main record, main data, index record, index data).
-# fp4: 256 B of E2M1 pairs + 32 E4M3 tile scales; 64 B MXFP4 + 4 UE8M0 scales.
-# bf16 ablation: 512 x 2 B latent and 128 x 2 B key, no scales.
-RECORD_BYTES: dict[str, tuple[int, int, int, int]] = {
-    "fp4": (288, 256, 68, 64),
-    "bf16": (1024, 1024, 256, 256),
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,10 +30,10 @@ class SourceLayout:
 
     layer_id: int
     compress_ratio: int
-    main_record_bytes: int = 288
-    main_data_bytes: int = 256
-    index_record_bytes: int = 68
-    index_data_bytes: int = 64
+    main_record_bytes: int = MAIN_KV.record_bytes
+    main_data_bytes: int = MAIN_KV.data_bytes
+    index_record_bytes: int = INDEX_KEY.record_bytes
+    index_data_bytes: int = INDEX_KEY.data_bytes
 
     def __post_init__(self) -> None:
         if self.compress_ratio < 1:
@@ -165,17 +159,15 @@ def kv_layout(
     model_id: str = "",
 ) -> KVLayout:
     """Layout from the config's plain lists (``compress_ratios`` is indexed by layer id)."""
-    if kv_dtype not in RECORD_BYTES:
-        raise ValueError(f"unknown kv dtype {kv_dtype!r}; expected one of {sorted(RECORD_BYTES)}")
-    main_rec, main_data, index_rec, index_data = RECORD_BYTES[kv_dtype]
+    main, index = global_kv_records(kv_dtype)
     sources = tuple(
         SourceLayout(
             layer_id=layer,
             compress_ratio=compress_ratios[layer],
-            main_record_bytes=main_rec,
-            main_data_bytes=main_data,
-            index_record_bytes=index_rec,
-            index_data_bytes=index_data,
+            main_record_bytes=main.record_bytes,
+            main_data_bytes=main.data_bytes,
+            index_record_bytes=index.record_bytes,
+            index_data_bytes=index.data_bytes,
         )
         for layer in kv_source_layer_ids
     )

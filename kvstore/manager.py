@@ -1,4 +1,4 @@
-"""KVCacheManager: the engine's one entry point to every KV byte (ARCHITECTURE 2.3).
+"""KVCacheManager: the engine's one entry point to every KV byte (docs/design/architecture.md §2.3).
 
 Lifecycle of a request, as the engine drives it:
 

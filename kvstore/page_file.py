@@ -1,4 +1,4 @@
-"""On-disk format of one persisted page (ARCHITECTURE 2.3).
+"""On-disk format of one persisted page (docs/design/architecture.md §2.3).
 
     header (80 B) | payload (layout.page_bytes) | xxh3-128 of header + payload (16 B)
 
@@ -68,7 +68,7 @@ def decode_header(raw: bytes) -> PageHeader | None:
     return PageHeader(fp, pt, n, payload, page_hash, flags, version)
 
 
-def checksum(header: bytes, payload: bytes | memoryview) -> bytes:
+def checksum(header: bytes | memoryview, payload: bytes | memoryview) -> bytes:
     h = xxhash.xxh3_128()
     h.update(header)
     h.update(payload)

@@ -1,4 +1,6 @@
-"""A page's in-memory layout: all records' data, then all their scales (ARCHITECTURE 1.10).
+"""A page's in-memory layout: all records' data, then all their scales.
+
+See docs/design/architecture.md §1.10.
 
 Records arrive from the quantisers as ``[n, record_bytes]`` rows (data bytes
 then scale bytes). In a page the data parts of all ``n`` records come first,

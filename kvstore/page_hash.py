@@ -1,4 +1,4 @@
-"""Prefix-cache page hashes (ARCHITECTURE 2.3).
+"""Prefix-cache page hashes (docs/design/architecture.md §2.3).
 
 hash(page i) = BLAKE3(seed, hash(page i - 1), salt, the page's token ids).
 The seed is a fixed string, never Python's randomised ``hash``, so the same

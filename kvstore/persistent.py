@@ -5,7 +5,7 @@ subtree per layout fingerprint, so servers of different models can share a
 directory without deleting each other's pages, and two levels of hash prefix
 so no directory grows past what a filesystem indexes well.
 
-Rules (ARCHITECTURE 2.3, issue 18):
+Rules (docs/design/architecture.md §2.3, issue 18):
 - A page becomes visible to lookups only after its file is complete: written
   to a temp file with a name no other writer can pick, fsynced, renamed,
   directory fsynced. A failed write leaves nothing findable.
@@ -433,7 +433,7 @@ class PersistentStore:
         tmp = final.with_name(temp_name(page_hash))
         try:
             header = self._expected_header(page_hash).encode()
-            payload = memoryview(snapshot.numpy())
+            payload = snapshot.numpy().data  # a memoryview, no copy
             trailer = checksum(header, payload)
             self._make_shard_dirs(final.parent)
             flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC

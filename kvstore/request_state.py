@@ -1,4 +1,6 @@
-"""Per-request KV state that is not paged and never persisted (ARCHITECTURE 1.10, 2.3).
+"""Per-request KV state that is not paged and never persisted.
+
+See docs/design/architecture.md §1.10 and §2.3.
 
 - SWA windows: per layer a ring of ``sliding_window`` MXFP8 records (528 B);
   the record of position ``p`` lives in ring slot ``p % sliding_window``.
@@ -18,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.kv_formats import SWA
+
 
 class OutOfRequestSlots(RuntimeError):
     """Every request slot is taken; the scheduler must wait or preempt."""
@@ -29,7 +33,7 @@ class RequestStateLayout:
 
     swa_layers: int  # layers with an SWA window: every layer (plus DSpark blocks if served)
     sliding_window: int
-    swa_record_bytes: int = 528
+    swa_record_bytes: int = SWA.record_bytes
     compressor_sources: int = 0  # kv sources with ratio > 1
     compressor_rows: int = 1  # open-group rows kept: ratio - 1
     compressor_row_width: int = 1024  # [a | g]: 2 x head_dim fp32
@@ -41,7 +45,7 @@ class RequestStateLayout:
         sliding_window: int,
         kv_source_ratios: Sequence[int],
         head_dim: int,
-        swa_record_bytes: int = 528,
+        swa_record_bytes: int = SWA.record_bytes,
     ) -> RequestStateLayout:
         """From plain config numbers: one compressor state per kv source with ratio > 1."""
         grouped = [r for r in kv_source_ratios if r > 1]

@@ -142,7 +142,7 @@ def _add_api_routes(app: FastAPI, ctx: ServingContext, auth: Callable[..., Any])
         return await create_completion(ctx, body, api_key=api_key, http_request=request, fim=True)
 
     # (path, endpoint, operation id); the unversioned aliases stay out of the schema.
-    posts = [
+    posts: list[tuple[str, Callable[..., Any], str | None, dict[int | str, Any]]] = [
         (
             "/v1/chat/completions",
             chat_completions,

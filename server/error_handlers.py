@@ -6,6 +6,7 @@ app (``server/app.py``) and the router (``server/router.py``) install them.
 """
 
 import logging
+from collections.abc import Mapping
 
 from fastapi import FastAPI
 from fastapi import Request as HttpRequest
@@ -21,7 +22,7 @@ logger = logging.getLogger(__name__)
 def install_error_handlers(app: FastAPI) -> None:
     """Every failure leaves as ``{"error": {...}}`` (the router's app uses them too)."""
 
-    def reply(error: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
+    def reply(error: APIError, headers: Mapping[str, str] | None = None) -> JSONResponse:
         return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
     async def api_error(_: HttpRequest, exc: Exception) -> JSONResponse:

@@ -276,7 +276,7 @@ class ClientGone(Exception):
 
 async def run_to_end(
     gen: Generation,
-    on_update: Callable[[ChoiceUpdate], None],
+    on_update: Callable[[ChoiceUpdate], object],  # its result is ignored
     is_disconnected: Callable[[], Awaitable[bool]],
     poll_s: float,
     clock: Callable[[], float] = time.monotonic,

@@ -89,7 +89,7 @@ def add_prefill_routes(
 async def _publish(
     ctx: ServingContext,
     prompts: list[list[int]],
-    salt: bytes,
+    salt: bytes | str,
     prompt_param: str,
     is_disconnected: Callable[[], Awaitable[bool]],
 ) -> PrefillResponse | Response:

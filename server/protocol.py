@@ -32,7 +32,7 @@ MAX_TOOLS = 128
 MAX_STOP = 16
 MAX_TOP_LOGPROBS = 20
 MAX_N = 128
-# DeepSeek's reasoning_effort aliases on the V4.1 budget scale (ARCHITECTURE Part 3:
+# DeepSeek's reasoning_effort aliases on the V4.1 budget scale (docs/design/architecture.md §3.2:
 # low 50, high 75, max 100). "medium" and "xhigh" follow DeepSeek's API, which maps
 # medium -> high and xhigh -> max; "minimal" is OpenAI's lowest level.
 REASONING_EFFORT_ALIASES: dict[str, int] = {

@@ -25,6 +25,7 @@ workers derive the same tenant salt (give them the same keys).
 # No `from __future__ import annotations`: FastAPI reads the route signatures at runtime.
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -173,7 +174,7 @@ def create_router_app(
             except httpx.HTTPError as exc:
                 decode_pool.release(url)
                 raise unavailable(f"The decode worker failed: {exc!r}") from exc
-            return _relay(upstream, lambda u=url: decode_pool.release(u))
+            return _relay(upstream, functools.partial(decode_pool.release, url))
         raise unavailable("No decode worker could be reached")
 
     async def proxy(request: HttpRequest, _: Annotated[str | None, Depends(auth)]) -> Response:

@@ -71,7 +71,7 @@ class WatchedStreamingResponse(StreamingResponse):
             with anyio.CancelScope(shield=True):
                 iterator = self.body_iterator
                 if hasattr(iterator, "aclose"):
-                    await iterator.aclose()  # type: ignore[union-attr]
+                    await iterator.aclose()
                 if self._on_close is not None:
                     await self._on_close()
 

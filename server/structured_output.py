@@ -76,11 +76,10 @@ def grammar_tokenizer_info(
 class GrammarMaskProvider:
     """A ``TokenMaskProvider`` backed by one xgrammar matcher (one sequence)."""
 
-    __slots__ = ("_bitmask", "_matcher", "_vocab_size")
+    __slots__ = ("_bitmask", "_matcher")
 
     def __init__(self, compiled: xgr.CompiledGrammar, vocab_size: int) -> None:
         self._matcher = xgr.GrammarMatcher(compiled)
-        self._vocab_size = vocab_size
         self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
 
     def allowed_tokens(self) -> torch.Tensor:
@@ -181,14 +180,7 @@ class StructuredOutputCompiler:
         choice = (
             tool_choice.model_dump() if isinstance(tool_choice, NamedToolChoice) else tool_choice
         )
-        # `strict` is dropped: xgrammar would leave non-strict arguments unconstrained.
-        specs = [
-            {
-                "type": "function",
-                "function": t.function.model_dump(exclude_none=True, exclude={"strict"}),
-            }
-            for t in tools
-        ]
+        specs: list[Any] = [{"type": "function", "function": _function_spec(t)} for t in tools]
         tag = xgr.get_model_structural_tag(
             XGRAMMAR_MODEL,
             tools=specs,
@@ -201,7 +193,8 @@ class StructuredOutputCompiler:
 
 def _function_spec(tool: Tool) -> dict[str, Any]:
     """A function for xgrammar: ``strict`` dropped (xgrammar would leave non-strict
-    arguments unconstrained) and no ``parameters`` read as OpenAI does, no arguments."""
+    arguments unconstrained), and no ``parameters`` read as OpenAI does, no arguments
+    (xgrammar would allow any JSON)."""
     spec = tool.function.model_dump(exclude_none=True, exclude={"strict"})
     spec.setdefault("parameters", NO_PARAMETERS)
     return spec

@@ -12,6 +12,7 @@ with the tokenizer and trimmed or extended until the count is exact.
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 import re
@@ -21,7 +22,6 @@ from typing import Any
 from tokenizers import Tokenizer
 
 Message = dict[str, str]
-WORKLOADS = ("agent", "shared-prefix", "random")
 
 # Vocabulary entries that decode to a space and 3-10 lower-case letters (byte-level
 # BPE spells the space as "Ġ"). Joined with their spaces they re-encode one for one.
@@ -254,3 +254,35 @@ def completion_prompt(history: list[Message]) -> str:
     """The ``/v1/completions`` prompt of a conversation: its contents joined by blank
     lines (roles dropped, so a one-message prompt is exactly its measured text)."""
     return "\n\n".join(m["content"] for m in history)
+
+
+def workload_from_args(args: argparse.Namespace, tokenizer: Tokenizer) -> Workload:
+    """The workload that ``flashserve bench``'s options (or a script's same-named ones) ask for."""
+    if args.workload == "agent":
+        return agent_workload(
+            tokenizer,
+            num_agents=args.num_agents,
+            turns=args.turns,
+            system_len=args.system_len,
+            task_len=args.task_len,
+            tool_result_len=args.tool_result_len,
+            output_len=args.output_len,
+            seed=args.seed,
+        )
+    if args.workload == "shared-prefix":
+        return shared_prefix_workload(
+            tokenizer,
+            num_groups=args.num_groups,
+            prompts_per_group=args.prompts_per_group,
+            system_len=args.system_len,
+            question_len=args.question_len,
+            output_len=args.output_len,
+            seed=args.seed,
+        )
+    return random_workload(
+        tokenizer,
+        num_prompts=args.num_prompts,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        seed=args.seed,
+    )

@@ -1,4 +1,4 @@
-"""Attention of a V4.1 layer (ARCHITECTURE 1.4) and its CSA2 role (ARCHITECTURE 1.2).
+"""Attention of a V4.1 layer and its CSA2 role (docs/design/architecture.md §1.4, §1.2).
 
 Every layer writes its own SWA KV; a kv source also compresses its rows into
 global KV and index keys (``store_kv``). The query side (``forward``) picks the
@@ -74,6 +74,8 @@ class Selections:
 
 class Attention(nn.Module):
     """``layers.L.attn``: MQA over one 512-d latent with K = V, a sink per head."""
+
+    inv_freq: torch.Tensor
 
     def __init__(self, config: ModelConfig, layer_id: int) -> None:
         super().__init__()
@@ -167,6 +169,7 @@ class Attention(nn.Module):
         if self.role is LayerRole.SWA_ONLY:
             picked = None
         elif self.role is LayerRole.REUSE:
+            assert self.index_source is not None
             picked = sel.topk[self.index_source]
         else:
             picked = self._pick(qr, x, pos, kv, sel)

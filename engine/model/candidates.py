@@ -1,4 +1,4 @@
-"""Which compressed entries a query may read (ARCHITECTURE 1.4, 1.7).
+"""Which compressed entries a query may read (docs/design/architecture.md §1.4, §1.7).
 
 Pure functions over a dense score matrix [T, S] (T queries, S entries):
 visibility, the per-query top-k, and the candidate-block filter that the

@@ -1,4 +1,4 @@
-"""KV compressor of the kv source layers (ARCHITECTURE 1.6).
+"""KV compressor of the kv source layers (docs/design/architecture.md §1.6).
 
 Ratio 2 pools each pair of tokens (2j, 2j+1) with a per-channel softmax gate;
 ratio 1 only normalises. Entry j is un-RoPE'd here: the caller ropes it at the
@@ -44,7 +44,7 @@ class Compressor(nn.Module):
         """Raw rows ``[a | g]`` (ratio 2, [T, 2 * head_dim]) or ``a`` (ratio 1), always fp32.
 
         fp32 because the open group's row is kept as per-request state between
-        steps (ARCHITECTURE 1.10, "Compressor state").
+        steps (docs/design/architecture.md §1.10, "Compressor state").
         """
         x32 = upcast(x)
         a = F.linear(x32, upcast(self.wkv.weight))

@@ -43,10 +43,10 @@ def engram_table_primes(
 ) -> list[list[int]]:
     """Engram hash moduli, one list of ``len(orders) * n_heads`` primes per Engram layer.
 
-    For every (layer, order) the walk restarts just above ``vocab_size - 1``:
-    the first candidate is ``vocab_size`` itself, as in the release's layout
-    (its search starts one past ``vocab_size - 1``). A prime is never used twice,
-    across orders and layers. A layer's table has ``sum(primes)`` rows; the official config's
+    docs/design/architecture.md §1.9 and §3.6: for every (layer, order) the walk
+    restarts just above ``vocab_size - 1``: the first candidate is ``vocab_size``
+    itself, as in the release's layout. A prime is never used twice, across
+    orders and layers. A layer's table has ``sum(primes)`` rows; the official config's
     ``engram_num_embeddings`` [384006168, 384016682] follow from this rule.
     """
     return [list(p) for p in _engram_table_primes(vocab_size, n_layers, tuple(orders), n_heads)]
@@ -72,7 +72,7 @@ def _engram_table_primes(
 
 
 class LayerRole(StrEnum):
-    """CSA2 role of a layer (ARCHITECTURE 1.2)."""
+    """CSA2 role of a layer (docs/design/architecture.md §1.2)."""
 
     SWA_ONLY = "swa_only"  # compress ratio 0: sliding window only
     FULL = "full"  # kv source + index source: own compressor, own indexer
@@ -212,13 +212,9 @@ class ModelConfig:
 
         CED prefill runs layers below it over every prompt token, plus this layer's
         KV writes; this layer's query side and everything above it replay only the
-        last window (ARCHITECTURE 2.1, Part 3 "Replay cut").
+        last window (docs/design/architecture.md §2.1, §3.1).
         """
         return max(self.kv_source_layer_ids)
-
-    @property
-    def num_encoder_layers(self) -> int:
-        return self.ced_boundary
 
     def engram_primes(self) -> list[list[int]]:
         return engram_table_primes(
@@ -227,10 +223,6 @@ class ModelConfig:
             self.engram_orders,
             self.engram_n_heads,
         )
-
-    @property
-    def nope_head_dim(self) -> int:
-        return self.head_dim - self.qk_rope_head_dim
 
     @property
     def engram_orders(self) -> list[int]:
@@ -389,10 +381,12 @@ class ModelConfig:
         boundary), 5 Reuse, 6 Reindex, 7 Reuse. The 512-d latent, 64 RoPE dims and
         128-d index keys stay at full size so the KV byte formats are the real ones.
         """
-        engram = dict(engram_vocab_size=1000, engram_n_heads=2, engram_layer_ids=[1, 2])
-        rows = [sum(p) for p in engram_table_primes(1000, 2, [2, 3, 4], engram["engram_n_heads"])]
+        heads, layers = 2, [1, 2]
+        rows = [sum(p) for p in engram_table_primes(1000, len(layers), [2, 3, 4], heads)]
         return cls(
-            **engram,
+            engram_vocab_size=1000,
+            engram_n_heads=heads,
+            engram_layer_ids=layers,
             engram_num_embeddings=rows,
             hidden_size=256,
             moe_intermediate_size=128,

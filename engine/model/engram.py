@@ -1,4 +1,6 @@
-"""Engram conditional memory (ARCHITECTURE 1.9): hashed n-gram tables gated into mHC copies.
+"""Engram conditional memory: hashed n-gram tables gated into mHC copies.
+
+See docs/design/architecture.md §1.9.
 
 Three steps, one section each:
 1. token id -> compressed class (tokens that normalise alike share a class);

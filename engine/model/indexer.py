@@ -1,4 +1,4 @@
-"""Lightning indexer of V4.1 (ARCHITECTURE 1.7).
+"""Lightning indexer of V4.1 (docs/design/architecture.md §1.7).
 
 Index sources own ``wq_b`` and ``weights_proj`` (the query side); kv sources
 also own ``wk`` and ``k_norm``, which turn the compressor's un-RoPE'd latent
@@ -30,6 +30,10 @@ def indexer_scores(qi: torch.Tensor, w: torch.Tensor, k: torch.Tensor) -> torch.
 
 class Indexer(nn.Module):
     """``attn.indexer`` of an index source layer."""
+
+    inv_freq: torch.Tensor  # a buffer
+    wk: nn.Linear | None
+    k_norm: RMSNorm | None
 
     def __init__(self, config: ModelConfig, layer_id: int) -> None:
         super().__init__()

@@ -27,7 +27,7 @@ class Block(nn.Module):
         self.attn = Attention(config, layer_id)
         self.ffn = MoE(config)
         self.engram = Engram(config, layer_id) if layer_id in config.engram_layer_ids else None
-        # mHC coefficients are computed in fp32 (ARCHITECTURE 1.3).
+        # mHC coefficients are computed in fp32 (docs/design/architecture.md §1.3).
         self.hc_attn_fn = nn.Parameter(torch.empty(n_coef, hc * dim, dtype=torch.float32))
         self.hc_attn_base = nn.Parameter(torch.empty(n_coef, dtype=torch.float32))
         self.hc_attn_scale = nn.Parameter(torch.empty(3, dtype=torch.float32))

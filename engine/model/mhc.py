@@ -1,4 +1,6 @@
-"""Manifold-constrained hyper-connections (mHC), V4.1 single-pass variant (ARCHITECTURE 1.3).
+"""Manifold-constrained hyper-connections (mHC), V4.1 single-pass variant.
+
+See docs/design/architecture.md §1.3.
 
 The residual stream is ``R [T, hc, D]``: ``hc`` copies of the hidden state.
 Each sublayer owns parameters ``fn [(2+hc)*hc, hc*D]``, ``base [(2+hc)*hc]`` and

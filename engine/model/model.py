@@ -7,6 +7,8 @@ kernels attend comes from a ``KVBackend`` (``kv_backend.py``): the dense one in
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -28,6 +30,8 @@ class DeepseekV41(nn.Module):
     loader skips them with a notice.
     """
 
+    engram_vocab_map: torch.Tensor
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
@@ -40,6 +44,14 @@ class DeepseekV41(nn.Module):
         self.register_buffer(
             "engram_vocab_map", torch.zeros(config.vocab_size, dtype=torch.long), persistent=False
         )
+
+    @property
+    def blocks(self) -> list[Block]:
+        """The layers, typed (an ``nn.ModuleList`` types its items as ``Module``)."""
+        return cast(list[Block], list(self.layers))
+
+    def block(self, layer_id: int) -> Block:
+        return cast(Block, self.layers[layer_id])
 
     @property
     def encoder_only(self) -> bool:
@@ -124,7 +136,7 @@ class DeepseekV41(nn.Module):
         R = self.embed(input_ids).unsqueeze(1).expand(-1, hc, -1).contiguous()
         pre = hc_initial_pre(R.shape[0], hc, R.device)
         sel = Selections(trace=trace)
-        for block in self.layers:
+        for block in self.blocks:
             rows = None
             if block.engram is not None:
                 rows = self.engram_window_rows(kv.token_windows(n), block.layer_id)

@@ -1,4 +1,6 @@
-"""Mixture of experts (ARCHITECTURE 1.8): sqrt-softplus router, clamped SwiGLU experts.
+"""Mixture of experts: sqrt-softplus router, clamped SwiGLU experts.
+
+See docs/design/architecture.md §1.8.
 
 Checkpoint names: ``ffn.gate.weight`` / ``ffn.gate.bias`` (the
 e_score_correction_bias), ``ffn.experts.E.w{1,2,3}.weight``,
@@ -85,7 +87,7 @@ class MoE(nn.Module):
         self.experts = nn.ModuleList(
             Expert(dim, inter, limit) for _ in range(config.n_routed_experts)
         )
-        # The released config clamps the shared expert too (ARCHITECTURE 1.8).
+        # The released config clamps the shared expert too (docs/design/architecture.md §1.8).
         self.shared_experts = Expert(dim, inter * config.n_shared_experts, limit)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,7 @@
-"""RMSNorm, the only normalisation V4.1 uses (ARCHITECTURE 1.1: eps 1e-20 everywhere)."""
+"""RMSNorm, the only normalisation V4.1 uses: eps 1e-20 everywhere.
+
+See docs/design/architecture.md §1.1.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Rotary position embedding of V4.1 (ARCHITECTURE 1.5).
+"""Rotary position embedding of V4.1 (docs/design/architecture.md §1.5).
 
 GPT-J style: the pair (2i, 2i+1) is rotated by the angle ``pos * f_i``. Only the
 last ``qk_rope_head_dim`` (64) dims of a vector carry RoPE. Ratio-0 layers use
@@ -31,7 +31,7 @@ def yarn_inv_freq(
     beta_slow: float,
     original_max_position: int,
 ) -> torch.Tensor:
-    """YaRN-interpolated frequencies exactly as ARCHITECTURE 1.5 writes them.
+    """YaRN-interpolated frequencies exactly as docs/design/architecture.md §1.5 writes them.
 
     Pairs rotating fast (index < low) keep ``f_i``; slow ones (> high) become
     ``f_i / factor``; a linear ramp blends the band between.
@@ -47,7 +47,7 @@ def yarn_inv_freq(
         )
 
     low = max(math.floor(correction_dim(beta_fast)), 0)
-    high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
+    high: float = min(math.ceil(correction_dim(beta_slow)), dim - 1)
     if low == high:
         high += 0.001  # a one-point ramp is a step; avoid 0/0 as public ports do
     i = torch.arange(dim // 2, dtype=torch.float32)

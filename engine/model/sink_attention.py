@@ -14,7 +14,7 @@ def sink_attention(
     sink: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """``o[t, h] = sum_s p[t, h, s] k[s]`` with K = V (ARCHITECTURE 1.4).
+    """``o[t, h] = sum_s p[t, h, s] k[s]`` with K = V (docs/design/architecture.md §1.4).
 
     q [T, H, d], k [S, d], mask [T, S] (True = key s is visible to query t),
     sink [H]. ``p`` is the softmax over the allowed logits ``q.k * scale`` plus

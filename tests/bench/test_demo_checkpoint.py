@@ -25,10 +25,10 @@ from engine.model.reference import reference_generate
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import load_tokenizer
-from engine.training.bpe import SPECIAL_TOKENS
-from engine.training.demo_config import demo_checkpoint_dir, demo_config
 from server.chat_encoding import encode_chat
 from server.protocol import ChatCompletionRequest
+from training.bpe import SPECIAL_TOKENS
+from training.demo_config import demo_checkpoint_dir, demo_config
 
 DEMO = demo_checkpoint_dir()
 MAX_BYTES = 25 << 20

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import random
 
 import numpy as np
@@ -14,6 +15,7 @@ from bench.serving.workloads import (
     completion_prompt,
     random_workload,
     shared_prefix_workload,
+    workload_from_args,
 )
 from engine.tokenizer import load_tokenizer
 
@@ -125,3 +127,34 @@ def test_poisson_and_gamma_arrivals() -> None:
     for rate, b in ((0.0, 1.0), (1.0, 0.0)):
         with pytest.raises(ValueError):
             arrival_offsets(2, rate, b)
+
+
+def test_workload_from_args_builds_the_named_workload(tokenizer) -> None:
+    # `flashserve bench` and bench/disagg.py pass their parsed options; the result is
+    # the workload the direct call with the same numbers builds.
+    args = argparse.Namespace(
+        workload="shared-prefix",
+        num_groups=2,
+        prompts_per_group=3,
+        system_len=40,
+        question_len=8,
+        output_len=4,
+        seed=5,
+    )
+    built = workload_from_args(args, tokenizer)
+    direct = shared_prefix_workload(
+        tokenizer,
+        num_groups=2,
+        prompts_per_group=3,
+        system_len=40,
+        question_len=8,
+        output_len=4,
+        seed=5,
+    )
+    assert built.name == "shared-prefix" and built.num_requests == 6
+    assert built.params == direct.params
+    assert [t.messages for s in built.sessions for t in s.turns] == [
+        t.messages for s in direct.sessions for t in s.turns
+    ]
+    args = argparse.Namespace(workload="random", num_prompts=3, input_len=16, output_len=2, seed=1)
+    assert workload_from_args(args, tokenizer).num_requests == 3

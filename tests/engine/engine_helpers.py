@@ -14,9 +14,9 @@ from engine.model.config import ModelConfig
 from engine.model.dense_backend import KVPrecision
 from engine.model_runner import PagedModelRunner
 from engine.reference_runner import ReferenceRunner
-from engine.runner import StepBatch
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
+from engine.step import StepBatch
 from kvstore.layout import kv_layout
 from kvstore.manager import KVCacheManager
 

@@ -1,8 +1,8 @@
 """Parameter and KV byte accounting.
 
-Oracles: shape formulas written out by hand from ARCHITECTURE 1.1-1.9 (checked
+Oracles: shape formulas written out by hand from docs/design/architecture.md §1.1-1.9 (checked
 on both presets), the ``numel`` of a real tiny model, and the byte arithmetic
-of ARCHITECTURE 1.10.
+of docs/design/architecture.md §1.10.
 """
 
 from __future__ import annotations

@@ -18,8 +18,8 @@ import torch
 
 from engine.model.reference import GlobalKV, ReplayPlan, forward
 from engine.model_runner import PagedModelRunner
-from engine.runner import PrefillChunk, StepBatch
 from engine.sequence import Sequence
+from engine.step import PrefillChunk, StepBatch
 from kvstore.layout import kv_layout
 from kvstore.manager import KVCacheManager
 

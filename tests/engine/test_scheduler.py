@@ -5,9 +5,9 @@ from __future__ import annotations
 from engine_helpers import TINY, make_kv
 
 from engine.engine_config import EngineConfig
-from engine.runner import StepBatch
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus, TokenSlice
+from engine.step import StepBatch
 
 W = 16  # replay window (the tiny model's sliding window)
 

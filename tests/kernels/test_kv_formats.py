@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -26,10 +27,12 @@ from kernels.kv_formats import (
     fake_quant_index_key_fp8,
     fake_quant_main_kv,
     fake_quant_swa,
+    global_kv_bytes_per_token,
     quantize_index_key,
     quantize_index_key_fp8,
     quantize_main_kv,
     quantize_swa,
+    swa_bytes_per_request,
 )
 
 SEED = 20260529
@@ -142,10 +145,23 @@ def test_record_sizes_and_layouts():
     assert (INDEX_KEY.data_bytes, INDEX_KEY.scale_bytes, INDEX_KEY.record_bytes) == (64, 4, 68)
     assert (INDEX_KEY_FP8.data_bytes, INDEX_KEY_FP8.scale_bytes) == (128, 4)
     assert (SWA.data_bytes, SWA.scale_bytes, SWA.record_bytes) == (512, 16, 528)
-    # ARCHITECTURE 1.10: three ratio-2 sources and one ratio-1 source cost 890 B per token
+    # docs/design/architecture.md §1.10: three ratio-2 sources and one ratio-1 source
+    # cost 890 B per token
     assert (
         3 * MAIN_KV_BYTES // 2 + MAIN_KV_BYTES + 3 * INDEX_KEY_BYTES // 2 + INDEX_KEY_BYTES == 890
     )
+
+
+def test_global_kv_bytes_per_token():
+    # Hand counts: official (2, 2, 2, 1) -> 3 x 356 / 2 + 356; tiny (2, 1) -> 178 + 356;
+    # the bf16 ablation stores 1024 + 256 B per entry.
+    assert global_kv_bytes_per_token([2, 2, 2, 1]) == 890
+    assert global_kv_bytes_per_token([2, 1]) == 534
+    assert global_kv_bytes_per_token([2, 2, 2, 1], "bf16") == 3 * 1280 / 2 + 1280
+    assert global_kv_bytes_per_token([2]) == Fraction(356, 2)
+    assert swa_bytes_per_request(128, 40) == 128 * 528 * 40
+    with pytest.raises(ValueError, match="unknown kv dtype 'fp16'"):
+        global_kv_bytes_per_token([1], "fp16")
 
 
 @pytest.mark.parametrize("name", list(FORMATS))

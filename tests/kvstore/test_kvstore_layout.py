@@ -1,4 +1,4 @@
-"""KVLayout: bytes per token, offsets, fingerprint (ARCHITECTURE 1.10)."""
+"""KVLayout: bytes per token, offsets, fingerprint (docs/design/architecture.md §1.10)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from kvstore import KVLayout, SourceLayout, kv_layout
 
 
 def test_bytes_per_token_official_is_890() -> None:
-    # Hand count from ARCHITECTURE 1.10: three ratio-2 sources and one ratio-1 source.
+    # Hand count from docs/design/architecture.md §1.10: three ratio-2 sources and one
+    # ratio-1 source.
     main = 3 * 288 / 2 + 288
     index = 3 * 68 / 2 + 68
     assert main + index == 890

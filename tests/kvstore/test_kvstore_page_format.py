@@ -1,4 +1,4 @@
-"""Page layout: all records' data, then all their scales (ARCHITECTURE 1.10)."""
+"""Page layout: all records' data, then all their scales (docs/design/architecture.md §1.10)."""
 
 from __future__ import annotations
 

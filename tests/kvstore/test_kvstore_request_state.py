@@ -17,7 +17,7 @@ def test_official_sizes() -> None:
         kv_source_ratios=[cfg.compress_ratios[l] for l in cfg.kv_source_layer_ids],
         head_dim=cfg.head_dim,
     )
-    # ARCHITECTURE 1.10: 128 x 528 B x 40 layers ~ 2.7 MB of SWA per request.
+    # docs/design/architecture.md §1.10: 128 x 528 B x 40 layers ~ 2.7 MB of SWA per request.
     assert layout.swa_bytes == 128 * 528 * 40 == 2_703_360
     # Three ratio-2 sources keep one open [a | g] row of 2 x 512 fp32 each.
     assert (layout.compressor_sources, layout.compressor_rows) == (3, 1)

@@ -232,6 +232,21 @@ def test_named_tool_choice_forces_one_valid_call(
     assert [name for name, _ in calls] == ["get_weather"]
 
 
+def test_a_function_without_parameters_takes_no_arguments(compiler) -> None:
+    # OpenAI: omitting `parameters` defines an empty parameter list (xgrammar alone
+    # would accept any arguments).
+    ping = {"type": "function", "function": {"name": "ping"}}
+    choice = {"type": "function", "function": {"name": "ping"}}
+    r = request(tools=[ping], tool_choice=choice)
+    head = '\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name="ping">\n'
+    tail = "</｜DSML｜ invoke>\n</｜DSML｜ calls>"
+    empty = compiler.for_request(tools=r.tools, tool_choice=r.tool_choice)
+    assert empty.accept_text(head + tail) and empty.is_completed()
+    with_argument = compiler.for_request(tools=r.tools, tool_choice=r.tool_choice)
+    assert with_argument.accept_text(head)
+    assert not with_argument.accept_text('<｜DSML｜ parameter name="x" string="true">')
+
+
 @pytest.mark.parametrize(("seed", "thinking"), [(0, False), (1, True)])
 def test_required_tool_choice_forces_valid_calls(
     compiler, closer, tokenizer, seed, thinking

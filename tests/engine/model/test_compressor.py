@@ -24,7 +24,10 @@ def _random_compressor(layer_id: int, seed: int) -> Compressor:
 
 
 def _oracle(comp: Compressor, x: torch.Tensor) -> torch.Tensor:
-    """Float64, one group at a time, channel by channel as ARCHITECTURE 1.6 writes it."""
+    """Float64, one group at a time, channel by channel.
+
+    As docs/design/architecture.md §1.6 writes it.
+    """
     r, eps = comp.ratio, comp.norm.eps
     wkv = comp.wkv.weight.double()
     out = []

@@ -17,7 +17,7 @@ from engine.model.mhc import (
 
 
 def _oracle_coefficients(R, fn, base, scale, hc_eps, iters, norm_eps):
-    """Spec pseudo-code (ARCHITECTURE 1.3) in float64 with explicit per-token loops."""
+    """Spec pseudo-code (architecture.md §1.3) in float64 with explicit per-token loops."""
     T, hc, _ = R.shape
     pre = torch.empty(T, hc, dtype=torch.float64)
     post = torch.empty(T, hc, dtype=torch.float64)

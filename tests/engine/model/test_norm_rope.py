@@ -17,7 +17,7 @@ from engine.model.rope import (
 
 
 def _yarn64(d: int, theta: float, factor: float, orig: int) -> list[float]:
-    """ARCHITECTURE 1.5 evaluated term by term in Python floats."""
+    """docs/design/architecture.md §1.5 evaluated term by term in Python floats."""
     low = math.floor(d * math.log(orig / (32 * 2 * math.pi)) / (2 * math.log(theta)))
     high = math.ceil(d * math.log(orig / (1 * 2 * math.pi)) / (2 * math.log(theta)))
     low, high = max(low, 0), min(high, d - 1)

@@ -16,7 +16,7 @@ from engine.model.config import ModelConfig, engram_table_primes
 
 DEMO_NAME = "demo"
 DEMO_VOCAB_SIZE = 4096
-# Engram primes start above this (ARCHITECTURE 1.9): ~4k rows per head and order.
+# Engram primes start above this (docs/design/architecture.md §1.9): ~4k rows per head and order.
 DEMO_ENGRAM_VOCAB = 4000
 # The engine's max_model_len: training sees 256 tokens; 1024 bounds a reply's cost on a CPU.
 DEMO_MAX_POSITIONS = 1024
@@ -45,4 +45,4 @@ def demo_config(vocab_size: int, compressed_vocab_size: int, pad_token_id: int) 
 
 def demo_checkpoint_dir() -> Path:
     """``models/demo`` of the source tree: what ``--model demo`` serves."""
-    return Path(__file__).resolve().parents[2] / "models" / DEMO_NAME
+    return Path(__file__).resolve().parents[1] / "models" / DEMO_NAME

@@ -20,10 +20,10 @@ import torch.nn.functional as F
 
 from engine.model.model import DeepseekV41
 from engine.model.reference import KVPrecision, forward, forward_train
-from engine.training.data import SequenceSampler
-from engine.training.indexer_loss import AttentionInputs, indexer_kl
-from engine.training.router_balance import RouterBalance
-from engine.training.weight_qat import quantised_weights
+from training.data import SequenceSampler
+from training.indexer_loss import AttentionInputs, indexer_kl
+from training.router_balance import RouterBalance
+from training.weight_qat import quantised_weights
 
 EXACT_KV = KVPrecision(global_kv="exact", swa="exact")
 
@@ -76,7 +76,8 @@ def learning_rate(step: int, cfg: TrainConfig) -> float:
 
 def _optimizer(model: DeepseekV41, cfg: TrainConfig) -> torch.optim.AdamW:
     """Weight decay on matrices only; the routers' biases are moved by RouterBalance."""
-    decay, plain = [], []
+    decay: list[torch.nn.Parameter] = []
+    plain: list[torch.nn.Parameter] = []
     for name, p in model.named_parameters():
         if name.endswith("gate.bias"):
             p.requires_grad_(False)

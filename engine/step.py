@@ -1,4 +1,4 @@
-"""What the scheduler hands a model runner each step, and what a runner must do.
+"""One engine step: what the scheduler hands a model runner, and what a runner must do.
 
 Two runners implement ``ModelRunner``: ``ReferenceRunner`` (dense oracle over
 real KV pages, reference_runner.py) and the production paged runner
@@ -59,10 +59,6 @@ class StepBatch:
     def num_tokens(self) -> int:
         """Rows charged to the step's token budget (encoder rows of chunks, one per decode)."""
         return len(self.decodes) + sum(c.num_tokens for c in self.prefills)
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.decodes) + len(self.prefills)
 
     def __bool__(self) -> bool:
         return bool(self.prefills or self.decodes)

@@ -10,7 +10,7 @@ import torch
 
 from engine.model.config import ModelConfig
 from engine.model.model import DeepseekV41
-from engine.training.trainer import TrainConfig, heldout_loss, learning_rate, train
+from training.trainer import TrainConfig, heldout_loss, learning_rate, train
 
 
 def test_learning_rate_schedule() -> None:

@@ -14,11 +14,11 @@ import torch
 from engine.checkpoint_writer import save_checkpoint
 from engine.model.engram import build_compressed_vocab
 from engine.model.model import DeepseekV41
-from engine.training.bpe import PAD_ID, train_bpe, write_tokenizer
-from engine.training.corpus import SDIST_NAME, load_corpus
-from engine.training.data import SequenceSampler, heldout_windows
-from engine.training.demo_config import DEMO_VOCAB_SIZE, demo_config
-from engine.training.trainer import TrainConfig, train
+from training.bpe import PAD_ID, train_bpe, write_tokenizer
+from training.corpus import SDIST_NAME, load_corpus
+from training.data import SequenceSampler, heldout_windows
+from training.demo_config import DEMO_VOCAB_SIZE, demo_config
+from training.trainer import TrainConfig, train
 
 # Held-out windows scored during training (the full table is bench/quality.py's).
 EVAL_WINDOWS = 16

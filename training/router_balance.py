@@ -18,7 +18,7 @@ class RouterBalance:
 
     def __init__(self, model: DeepseekV41, rate: float) -> None:
         self.rate = rate
-        self.gates = {block.layer_id: block.ffn.gate for block in model.layers}
+        self.gates = {block.layer_id: block.ffn.gate for block in model.blocks}
         n = model.config.n_routed_experts
         self.counts = {l: torch.zeros(n) for l in self.gates}
         self._handles: list[RemovableHandle] = [
@@ -41,7 +41,7 @@ class RouterBalance:
             if counts.sum() == 0:
                 continue
             mean = counts.mean()
-            gate.bias += self.rate * torch.sign(mean - counts)
+            gate.bias.add_(self.rate * torch.sign(mean - counts))
             worst = max(worst, float(counts.max() / mean))
             counts.zero_()
         return worst

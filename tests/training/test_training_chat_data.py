@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine.training.chat_data import render_conversation, speeches
 from server.chat_encoding import EOS, encode_chat
 from server.protocol import ChatCompletionRequest
 from server.tool_calls import THINK_END
+from training.chat_data import render_conversation, speeches
 
 PLAY = """HAMLET, PRINCE OF DENMARK
 

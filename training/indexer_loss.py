@@ -30,7 +30,7 @@ class AttentionInputs:
         self.x: dict[int, torch.Tensor] = {}
         self._handles: list[RemovableHandle] = [
             block.attn_norm.register_forward_hook(self._hook(block.layer_id))
-            for block in model.layers
+            for block in model.blocks
         ]
 
     def _hook(self, layer: int):
@@ -75,11 +75,13 @@ def indexer_kl(model: DeepseekV41, x: dict[int, torch.Tensor], global_kv: Global
             continue
         with torch.no_grad():
             target = _attention_target(model, x, l, latents, pos, visible)
-            _, qr = model.layers[l].attn.project_q(x[l], pos)
-            source = model.layers[src].attn
+            _, qr = model.block(l).attn.project_q(x[l], pos)
+            source = model.block(src).attn
+            assert source.compressor is not None and source.indexer is not None
             latent = source.compressor(x[src])  # un-RoPE'd, as the index keys take it
         keys = source.indexer.keys(latent, entry_positions(latent.shape[0], ratio))
-        indexer = model.layers[l].attn.indexer
+        indexer = model.block(l).attn.indexer
+        assert indexer is not None, "an index source layer"
         qi, w = indexer.queries(qr, x[l], pos)
         scores = indexer.scores(qi, w, keys).masked_fill(~visible, float("-inf"))
         log_q = torch.log_softmax(scores[rows], dim=-1)
@@ -101,7 +103,7 @@ def _attention_target(
     normalised."""
     target = torch.zeros(visible.shape)
     for m in readers(model, index_layer):
-        attn = model.layers[m].attn
+        attn = model.block(m).attn
         q, _ = attn.project_q(x[m], pos)
         logits = torch.einsum("thd,sd->ths", q.float(), latents.float()) * attn.softmax_scale
         logits = logits.masked_fill(~visible[:, None, :], float("-inf"))

@@ -13,7 +13,7 @@ from engine.checkpoint import load_checkpoint
 from engine.checkpoint_writer import save_checkpoint
 from engine.model.config import ModelConfig
 from engine.model.model import DeepseekV41
-from engine.training.weight_qat import lossy, quantised_weights
+from training.weight_qat import lossy, quantised_weights
 
 CONFIG = ModelConfig.tiny().replace(vocab_size=512)  # a small embedding: fast
 

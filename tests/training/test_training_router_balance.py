@@ -6,7 +6,7 @@ import torch
 
 from engine.model.config import ModelConfig
 from engine.model.model import DeepseekV41
-from engine.training.router_balance import RouterBalance
+from training.router_balance import RouterBalance
 
 
 def test_bias_moves_towards_balance() -> None:

@@ -7,9 +7,9 @@ import random
 import torch
 from tokenizers import Tokenizer
 
-from engine.training.bpe import BOS_ID
-from engine.training.chat_data import render_conversation, speeches
-from engine.training.corpus import Play
+from training.bpe import BOS_ID
+from training.chat_data import render_conversation, speeches
+from training.corpus import Play
 
 
 def encode_play(tokenizer: Tokenizer, play: Play) -> torch.Tensor:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-from engine.training.bpe import ASSISTANT, BOS, EOS, SYSTEM, THINK_END, THINK_START, USER
+from training.bpe import ASSISTANT, BOS, EOS, SYSTEM, THINK_END, THINK_START, USER
 
 # The Reasoning Effort line of a thinking request's system turn (server/chat_encoding.py).
 EFFORT_LINE = (
