@@ -30,6 +30,7 @@ from engine.checkpoint import (
     scale_name,
     stored_shapes,
     weight_format,
+    weight_map,
 )
 from engine.checkpoint_writer import encode_tensor, make_tiny, save_checkpoint
 from engine.model.config import ModelConfig
@@ -325,6 +326,38 @@ def test_skips_dspark_and_vision_and_accepts_plain_exports(
     assert any("1 vision" in m for m in notices)
     assert torch.equal(model.state_dict()[name], value)
     assert torch.equal(model.state_dict()["head.weight"], loaded.state_dict()["head.weight"])
+
+
+def test_make_tiny_holds_every_kind_and_the_loader_names_what_it_skips(
+    tiny_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The release's index holds DSpark, vision and ``gate.bias_vl`` tensors besides the
+    text model's: make-tiny writes one of each, and loading names each skip rule."""
+    names = set(weight_map(tiny_dir))
+    assert any(n.startswith("mtp.") for n in names)
+    assert any(n.startswith(("vision.", "aligner.", "image_")) for n in names)
+    assert "layers.0.ffn.gate.bias_vl" in names
+    with caplog.at_level(logging.INFO, logger="engine.checkpoint"):
+        load_checkpoint(tiny_dir)
+    notices = sorted(r.getMessage() for r in caplog.records if "skipped" in r.getMessage())
+    assert len(notices) == 2
+    assert "2 dspark tensors" in notices[0] and "3 vision tensors" in notices[1]
+
+
+def test_gate_bias_vl_is_loaded_and_may_be_absent(
+    sharded_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``ffn.gate.bias_vl`` loads as stored (fp32); an export without it loads zeros."""
+    config = ModelConfig.tiny()
+    name = "layers.3.ffn.gate.bias_vl"
+    value = torch.linspace(-1.0, 1.0, config.n_routed_experts)
+    _, model = load_checkpoint(_tampered(sharded_dir, tmp_path / "vl", add={name: value}))
+    assert torch.equal(model.state_dict()[name], value)
+    every = tuple(f"layers.{l}.ffn.gate.bias_vl" for l in range(config.num_hidden_layers))
+    with caplog.at_level(logging.INFO, logger="engine.checkpoint"):
+        _, model = load_checkpoint(_tampered(sharded_dir, tmp_path / "none", drop=every))
+    assert all(bool((model.state_dict()[n] == 0).all()) for n in every)
+    assert any("8 optional tensors absent" in r.getMessage() for r in caplog.records)
 
 
 def test_encoder_only_load_reads_no_decoder_layer(

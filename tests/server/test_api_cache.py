@@ -8,8 +8,19 @@ to compute, so a repeated prompt of ``P`` tokens hits ``(P - 1) // 64`` pages
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterator
+from pathlib import Path
 
-from api_helpers import ENV_API_KEY, PAGE_TOKENS, LiveServer
+import pytest
+from api_helpers import (
+    API_KEY,
+    ENV_API_KEY,
+    PAGE_TOKENS,
+    LiveServer,
+    spawn_server,
+    stop_server,
+    wait_ready,
+)
 
 
 def _ask(server: LiveServer, system: str, *, api_key: str | None = None, **extra) -> dict:
@@ -51,3 +62,42 @@ def test_repeated_long_prompt_hits_and_other_tenants_do_not(live_server: LiveSer
     assert _ask(live_server, system)["prompt_cache_hit_tokens"] == 0
     other_key = _ask(live_server, system, api_key=ENV_API_KEY, user_id="alice")
     assert other_key["prompt_cache_hit_tokens"] == 0
+
+
+@pytest.fixture(scope="module")
+def float64_server(
+    tiny_cache: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LiveServer]:
+    """The tiny model in float64: restore and cold then agree to rounding, so a greedy
+    answer cannot flip on an FP4 code that fp32 noise tips (docs/design/semantics.md)."""
+    tmp = tmp_path_factory.mktemp("float64-server")
+    args = ["--model", "tiny", "--dtype", "float64", "--api-key", API_KEY]
+    args += ["--page-tokens", str(PAGE_TOKENS), "--max-model-len", "4096"]
+    server = spawn_server(tiny_cache, tmp / "server.log", args)
+    wait_ready(server)
+    try:
+        yield server
+    finally:
+        stop_server(server)
+
+
+def test_a_cache_hit_never_changes_the_greedy_answer(float64_server: LiveServer) -> None:
+    """The same prompt twice at temperature 0: the second restores its prefix and answers
+    exactly as the cold first did (the issue's reproduction: 3 of 3 prompts differed)."""
+    for i in range(3):
+        system = f"{uuid.uuid4().hex} rule {i}: " + "Agents re-send long contexts. " * (20 + 7 * i)
+        body = {
+            "model": "deepseek-chat",
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": "Go"}],
+            "max_tokens": 8,
+            "temperature": 0,
+        }
+        answers = []
+        for _ in range(2):
+            r = float64_server.post("/v1/chat/completions", body)
+            assert r.status_code == 200, r.text
+            answers.append(r.json())
+        cold, warm = answers
+        assert cold["usage"]["prompt_cache_hit_tokens"] == 0
+        assert warm["usage"]["prompt_cache_hit_tokens"] >= 2 * PAGE_TOKENS
+        assert warm["choices"][0]["message"] == cold["choices"][0]["message"]
