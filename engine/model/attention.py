@@ -111,6 +111,9 @@ class Attention(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(config, layer_id), persistent=False)
         self.softmax_scale = head_dim**-0.5
 
+    # Each projection's output is rounded to the model's dtype, as the release's
+    # bf16 linears round it; norms, RoPE and the attention itself compute in fp32.
+    # In an fp32 (or float64) model these roundings do nothing.
     def project_q(
         self, x: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,15 +121,15 @@ class Attention(nn.Module):
 
         V4.1 has no per-head q norm (V4 had an unweighted one).
         """
-        qr = self.q_norm(_linear32(x, self.wq_a))
-        q = _linear32(qr, self.wq_b).view(-1, self.n_heads, self.head_dim)
-        q = rope_tail(q, positions, self.inv_freq)
-        return q.to(x.dtype), qr.to(x.dtype)
+        dtype = x.dtype
+        qr = self.q_norm(_linear32(x, self.wq_a).to(dtype))
+        q = _linear32(qr, self.wq_b).to(dtype).view(-1, self.n_heads, self.head_dim)
+        return rope_tail(q, positions, self.inv_freq), qr
 
     def project_kv(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """This token's SWA key/value: kv_norm(wkv x) RoPE'd at ``positions``, [T, head_dim]."""
-        kv = self.kv_norm(_linear32(x, self.wkv))
-        return rope_tail(kv, positions, self.inv_freq).to(x.dtype)
+        kv = self.kv_norm(_linear32(x, self.wkv).to(x.dtype))
+        return rope_tail(kv, positions, self.inv_freq)
 
     def project_out(self, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Attention output o [T, H, head_dim] -> [T, D].
@@ -136,8 +139,8 @@ class Attention(nn.Module):
         ``wo_b`` mixes the groups.
         """
         dtype = o.dtype
-        o = rope_tail(upcast(o), positions, self.inv_freq, inverse=True)
-        grouped = self.wo_a(o.reshape(o.shape[0], self.o_groups, -1))
+        o = rope_tail(o, positions, self.inv_freq, inverse=True)
+        grouped = self.wo_a(o.reshape(o.shape[0], self.o_groups, -1)).to(dtype)
         return _linear32(grouped.flatten(1), self.wo_b).to(dtype)
 
     # ------------------------------------------------------------ forward

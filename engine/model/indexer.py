@@ -61,8 +61,8 @@ class Indexer(nn.Module):
         RoPE on the last ``qk_rope_head_dim`` dims at each entry's group start.
         """
         assert self.wk is not None and self.k_norm is not None, "only kv sources own wk/k_norm"
-        k = self.k_norm(F.linear(upcast(latent), upcast(self.wk.weight)))
-        return rope_tail(k, entry_positions, self.inv_freq).to(latent.dtype)
+        k = self.k_norm(F.linear(upcast(latent), upcast(self.wk.weight)).to(latent.dtype))
+        return rope_tail(k, entry_positions, self.inv_freq)
 
     def queries(
         self, qr: torch.Tensor, x: torch.Tensor, positions: torch.Tensor
@@ -74,14 +74,16 @@ class Indexer(nn.Module):
         ``qr`` is the attention's normed query latent, ``x`` the attention input.
         ``w`` folds in ``index_head_dim^-0.5 * index_n_heads^-0.5``.
         """
-        qi = F.linear(upcast(qr), upcast(self.wq_b.weight)).view(-1, self.n_heads, self.head_dim)
-        qi = rope_tail(qi, positions, self.inv_freq).to(qr.dtype)
+        # Projection outputs round to the model dtype, as the release's bf16 linears do.
+        qi = F.linear(upcast(qr), upcast(self.wq_b.weight)).to(qr.dtype)
+        qi = rope_tail(qi.view(-1, self.n_heads, self.head_dim), positions, self.inv_freq)
         # The release quantises the query like the keys (MXFP4, one power-of-two
         # scale per 32) before scoring: the trained top-k is that of quantised scores.
         # Training passes the gradient straight through the rounding.
         quantised = fake_quant_index_key(qi)
         qi = qi + (quantised - qi).detach() if qi.requires_grad else quantised
-        w = F.linear(upcast(x), upcast(self.weights_proj.weight)) * self.weight_scale
+        w = upcast(F.linear(upcast(x), upcast(self.weights_proj.weight)).to(x.dtype))
+        w = w * self.weight_scale
         return qi, w
 
     def scores(self, qi: torch.Tensor, w: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
