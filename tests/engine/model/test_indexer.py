@@ -119,3 +119,32 @@ def test_keys_are_normed_projections_roped_at_group_start():
 def test_only_index_sources_build_an_indexer():
     with pytest.raises(ValueError):
         Indexer(ModelConfig.tiny(), 3)  # a reuse layer
+
+
+def test_quantised_query_flips_a_pick_as_the_release_scores():
+    """Hand-built: head 0's query has 0.74 at dim 1 (block 0, whose amax 6 gives scale 1:
+    MXFP4 rounds it to 0.5) and 0.70 at dim 40 (alone in block 1: scale 1/8, 5.6 -> 6,
+    so 0.75). Unquantised, key e1 (score 0.74) beats key e40 (0.70); quantised as the
+    release scores, e40 (0.75) beats e1 (0.5)."""
+    from engine.model.candidates import select_topk
+
+    idx = Indexer(ModelConfig.tiny(), 2)
+    q = torch.zeros(idx.n_heads * idx.head_dim)
+    q[0], q[1], q[40] = 6.0, 0.74, 0.70
+    with torch.no_grad():
+        idx.wq_b.weight.zero_()
+        idx.wq_b.weight[:, 0] = q  # qr = e0 selects this column: head 0 gets q[:128]
+        idx.weights_proj.weight.zero_()
+        idx.weights_proj.weight[0, 0] = 1.0  # only head 0 weighs in
+    qr = torch.zeros(1, idx.wq_b.weight.shape[1])
+    qr[0, 0] = 1.0
+    x = torch.zeros(1, idx.weights_proj.weight.shape[1])
+    x[0, 0] = 1.0
+    keys = torch.zeros(2, idx.head_dim)
+    keys[0, 1] = keys[1, 40] = 1.0
+    qi, w = idx.queries(qr, x, torch.tensor([0]))  # position 0: RoPE is the identity
+    assert qi[0, 0, 1] == 0.5 and qi[0, 0, 40] == 0.75
+    visible = torch.ones(1, 2, dtype=torch.bool)
+    assert select_topk(idx.scores(qi, w, keys), visible, 1).tolist() == [[1]]
+    unquantised = q[: idx.head_dim].view(1, 1, -1).expand(1, idx.n_heads, -1)
+    assert select_topk(idx.scores(unquantised, w, keys), visible, 1).tolist() == [[0]]
