@@ -3,11 +3,9 @@ workers sharing one SSD-tier directory, next to a colocated server.
 
 Every server computes in float64 (``--dtype float64``) so that FP4 rounding and
 top-k choices cannot depend on how each process chunks a prompt: outputs of
-the same plan then agree token for token. The oracle of a split request is
-the colocated server's answer to the same prompt when its pages come from the
-cache: both restore the prompt's full pages and replay the last window, so
-both run the same plan (docs/design/disaggregation.md). A cold colocated
-answer runs a different plan (no restore) and is the oracle of a fallback.
+the same plan then agree token for token. A restore equals the cold prefill
+(docs/design/semantics.md), so the colocated server's answer, cold or from its
+cache, is the oracle of a split request and of a fallback alike.
 """
 
 from __future__ import annotations
@@ -124,7 +122,7 @@ def test_split_answers_equal_the_colocated_answers_from_cache(split: Split) -> N
         warm = _chat(split.colocated, text)
         first = _chat(split.router, text)
         again = _chat(split.router, text)
-        assert warm[1] > 0 and first[0] == warm[0]
+        assert warm[1] > 0 and first[0] == warm[0] == cold[0]
         # Usage is the topology's no more than the answer is: pages the prefill
         # worker computed for this request are no cache hit, pages cached anywhere are.
         assert first[1] == cold[1] == 0
