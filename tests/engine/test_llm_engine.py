@@ -195,6 +195,20 @@ def test_restore_from_the_device_tier(flavour):
     assert (admission.stored_tokens, admission.encoder_start) == (40, e0)
 
 
+@pytest.mark.parametrize(("prefix", "extra"), [(24, 3), (40, 30), (64, 50)])
+def test_a_cache_hit_equals_the_cold_run(flavour, prefix, extra):
+    """H = 24, 40, 64 (page multiples); suffixes of 3 (below the window of 16), 30 and
+    50 tokens (above it): the restored stream is the cold run's."""
+    engine, runner = reference_engine(flavour.model, runner=flavour.runner)
+    tokens = prompt(prefix + extra, 300 + prefix)
+    engine.add_request(Request("first", tokens[:prefix], greedy(1)))  # caches the prefix
+    run_to_completion(engine)
+    engine.add_request(Request("second", tokens, greedy(3)))
+    outputs = run_to_completion(engine)
+    assert outputs["second"][-1].usage.prompt_cache_hit_tokens == prefix
+    assert_same_answer(runner, "second", outputs, flavour.oracle(tokens, 3))
+
+
 def test_restore_from_ssd_after_restart(flavour, tmp_path):
     engine_model, oracle = flavour.model, flavour.oracle
     tokens = prompt(45, 105)
