@@ -245,9 +245,7 @@ def main() -> None:
             total = restore["restore_seconds_median"] + model["replay_seconds_median"]
             model["restore_plus_replay_seconds"] = total
             model["recompute_over_restore"] = model["recompute_seconds_median"] / total
-            model["restore_plus_replay_over_recompute"] = (
-                total / model["recompute_seconds_median"]
-            )
+            model["restore_plus_replay_over_recompute"] = total / model["recompute_seconds_median"]
             model["recompute_over_ssd_load"] = (
                 model["recompute_seconds_median"] / restore["restore_seconds_median"]
             )
