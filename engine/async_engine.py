@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,6 +112,10 @@ class AsyncEngine:
         self._stats = self.engine.stats()
         self._error: BaseException | None = None
         self._stopping = threading.Event()
+        # Heartbeat: when the engine thread last finished a step or an idle wait
+        # (``time.monotonic``); a step that never ends leaves it behind (``stalled_for``).
+        self._beat = time.monotonic()
+        self._queued_seqs = 0  # sequences handed to the inbox, not yet in the scheduler
         self._thread = threading.Thread(target=self._run, name="flashserve-engine", daemon=True)
         self._thread.start()
 
@@ -129,6 +135,8 @@ class AsyncEngine:
                 raise ValueError(f"request id {rid!r} is already in flight")
             self._active.add(rid)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        with self._lock:
+            self._queued_seqs += _num_seqs(request)
         self._inbox.put(_Add(request, stream))
         finished = False
         try:
@@ -137,6 +145,9 @@ class AsyncEngine:
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
+                if item.error is not None:
+                    # This request failed alone (e.g. its grammar reached a dead state).
+                    raise item.error
                 yield item
                 if finished:
                     return
@@ -198,9 +209,27 @@ class AsyncEngine:
         self._inbox.put(_Abort(request_id, report=True))
 
     def stats(self) -> EngineStats:
-        """The snapshot taken after the engine thread's latest step (never blocks on compute)."""
+        """The snapshot taken after the engine thread's latest step (never blocks on compute),
+        with running and waiting counted now: a long step does not hide new work."""
         with self._lock:
-            return self._stats
+            snapshot, queued = self._stats, self._queued_seqs
+        running, waiting = self.engine.queue_lengths()
+        return dataclasses.replace(snapshot, running=running, waiting=waiting + queued)
+
+    @property
+    def num_active(self) -> int:
+        """Requests between ``generate`` and their end (queued, running or finishing)."""
+        with self._lock:
+            return len(self._active)
+
+    def stalled_for(self) -> float:
+        """Seconds since the engine thread last made progress while requests are active
+        (0 when idle): what ``/health`` compares with its stall limit."""
+        with self._lock:
+            if not self._active:
+                return 0.0
+            beat = self._beat
+        return max(0.0, time.monotonic() - beat)
 
     @property
     def is_running(self) -> bool:
@@ -223,6 +252,7 @@ class AsyncEngine:
                 outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
                 # Snapshot first: a consumer holding its final output sees it counted.
                 self._snapshot()
+                self._beat = time.monotonic()
                 self._deliver(outputs)
         except BaseException as exc:  # a failed step poisons every stream
             logger.exception("engine thread failed")
@@ -248,6 +278,8 @@ class AsyncEngine:
     def _apply(self, cmd: _Add | _Abort) -> None:
         if isinstance(cmd, _Add):
             rid = cmd.request.request_id
+            with self._lock:
+                self._queued_seqs -= _num_seqs(cmd.request)
             try:
                 self.engine.add_request(cmd.request)
             except Exception as exc:  # validated already; anything left is a bug to report
@@ -278,6 +310,10 @@ class AsyncEngine:
         for stream in self._streams.values():
             stream.put(error)
         self._streams.clear()
+
+
+def _num_seqs(request: Request) -> int:
+    return 1 if request.prefill_only else request.sampling_params.n
 
 
 # ---------------------------------------------------------------- building
