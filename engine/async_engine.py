@@ -236,11 +236,24 @@ class AsyncEngine:
         return self._thread.is_alive() and self._error is None
 
     def shutdown(self, timeout: float | None = 30.0) -> None:
-        """Stop the engine thread, end open streams with ``EngineDeadError``, flush KV."""
+        """Stop the engine thread, end open streams with ``EngineDeadError``, flush KV.
+
+        ``timeout`` bounds the whole: the wait for the engine thread's current step,
+        then the SSD flush (run in a thread of its own so a hung disk cannot hold the
+        process past it). A thread still in its step at the deadline is left alone
+        (closing the KV tier under it would be unsafe) and nothing is flushed."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         self._stopping.set()
         self._inbox.put(None)
         self._thread.join(timeout)
-        self.engine.close()
+        if self._thread.is_alive():
+            logger.error("engine thread busy after %s s; the SSD tier is not flushed", timeout)
+            return
+        closer = threading.Thread(target=self.engine.close, name="flashserve-close", daemon=True)
+        closer.start()
+        closer.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        if closer.is_alive():
+            logger.error("the SSD flush did not finish within the shutdown timeout")
 
     # ------------------------------------------------------------ engine thread
     def _run(self) -> None:
