@@ -205,3 +205,8 @@ _MAX_CACHED_CLASSES = 1024
 @cache
 def _every_code_point() -> str:
     return "".join(map(chr, range(0x110000)))
+
+
+# Built at import (server start-up), not inside the first request that needs it: the
+# join holds the GIL for ~0.1 s, which a request thread would take from the event loop.
+_every_code_point()
