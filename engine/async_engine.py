@@ -28,7 +28,7 @@ from tokenizers import Tokenizer
 from engine.engine_config import EngineConfig
 from engine.llm_engine import EngineStats, LLMEngine
 from engine.model.model import DeepseekV41
-from engine.request import Request, RequestOutput
+from engine.request import Request, RequestError, RequestOutput
 from engine.tokenizer import TOKENIZER_FILE, load_tokenizer, packaged_tokenizer_path
 
 logger = logging.getLogger(__name__)
@@ -39,6 +39,11 @@ _IDLE_WAIT_S = 0.5
 
 class EngineDeadError(RuntimeError):
     """The engine thread stopped (shut down, or a step raised)."""
+
+
+class RequestFailedError(RuntimeError):
+    """One request failed inside the engine for a reason other than its own input (a bug
+    in its mask provider or stop handling); the engine goes on. The cause is chained."""
 
 
 @dataclass(slots=True)
@@ -146,8 +151,12 @@ class AsyncEngine:
                     raise item
                 finished = item.finished
                 if item.error is not None:
-                    # This request failed alone (e.g. its grammar reached a dead state).
-                    raise item.error
+                    # This request failed alone. Its own fault (a grammar that reached a
+                    # dead state) keeps its message; anything else is a server bug whose
+                    # text is for the log, not for the client.
+                    if isinstance(item.error, RequestError):
+                        raise item.error
+                    raise RequestFailedError("the request failed in the engine") from item.error
                 yield item
                 if finished:
                     return

@@ -97,7 +97,7 @@ class ServingContext:
     max_token_bytes: int = 0
 
     def __post_init__(self) -> None:
-        if self.max_token_bytes == 0:
+        if self.max_token_bytes == 0 and self.tokenizer is not None:
             self.max_token_bytes = max(
                 len(t.encode()) for t in self.tokenizer.get_vocab(with_added_tokens=True)
             )
@@ -187,7 +187,9 @@ def engine_error(exc: BaseException) -> APIError:
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, EngineDeadError):
-        return unavailable(f"The engine is not running: {exc}")
+        # Its text names the failed step's exception: for the log, not the client.
+        logger.warning("request refused: %s", exc)
+        return unavailable("The engine is not running")
     if isinstance(exc, ValueError):
         return request_error(str(exc))
     logger.error("engine request failed", exc_info=exc)

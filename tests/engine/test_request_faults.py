@@ -13,7 +13,7 @@ import pytest
 import torch
 from engine_helpers import fake_engine, greedy, run_to_completion, token_stream
 
-from engine.async_engine import AsyncEngine
+from engine.async_engine import AsyncEngine, RequestFailedError
 from engine.request import Request, RequestError
 from engine.sampler import apply_token_masks
 from engine.sampling_params import SamplingParams
@@ -103,6 +103,16 @@ def test_async_engine_raises_the_request_error_and_keeps_running() -> None:
             return [t for o in outs for c in o.outputs for t in c.token_ids]
 
         assert len(asyncio.run(asyncio.wait_for(run(), 10))) == 4
+
+        async def bug() -> None:  # not the request's fault: a generic error, cause chained
+            bad = SamplingParams(max_tokens=6, mask_provider=ScriptedMask("raise"))
+            with pytest.raises(RequestFailedError) as info:
+                async for _ in ae.generate(Request("bug", [5, 6, 7], bad)):
+                    pass
+            assert isinstance(info.value.__cause__, KeyError)
+            assert "internal state" not in str(info.value)
+
+        asyncio.run(asyncio.wait_for(bug(), 10))
         assert ae.is_running and ae.stats().running == 0
     finally:
         ae.shutdown()

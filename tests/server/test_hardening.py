@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -119,6 +120,42 @@ def test_fan_out_over_the_limit_is_refused_before_tokenising(live_server: LiveSe
     assert "640000 sequences" in message and "256" in message
     assert time.monotonic() - started < 1.0
     assert_still_serving(live_server)
+
+
+def _open_stream(server: LiveServer, body: dict) -> tuple[httpx.Client, httpx.Response, Any]:
+    """Start a streamed request and read its first event; the caller closes it. The line
+    iterator is returned: dropping it would close the stream (and abort the request)."""
+    client = httpx.Client(base_url=server.base_url, headers=HEADERS, timeout=60)
+    response = client.send(
+        client.build_request("POST", "/v1/completions", content=json.dumps(body)), stream=True
+    )
+    assert response.status_code == 200
+    lines = response.iter_lines()
+    assert next(lines).startswith("data: ")
+    return client, response, lines
+
+
+def test_a_large_fan_out_left_by_its_client_does_not_slow_the_next_request(
+    live_server: LiveServer,
+) -> None:
+    """Finding 5: after 640,000 sequences were abandoned the next tiny request took 37 s.
+    Now at most 256 per request; 256 abandoned at once are gone in normal time."""
+    body = {"model": "deepseek-chat", "prompt": ["a", "b"], "n": 128, "max_tokens": 200}
+    body["stream"] = True
+    client, response, _lines = _open_stream(live_server, body)
+    response.close()
+    client.close()
+    assert_still_serving(live_server)
+    deadline = time.monotonic() + NORMAL_S
+    while time.monotonic() < deadline:
+        m = live_server.metrics()
+        held = (
+            m[("flashserve:num_requests_running", ())] + m[("flashserve:num_requests_waiting", ())]
+        )
+        if held == 0:
+            break
+        time.sleep(0.05)
+    assert held == 0
 
 
 def test_metrics_count_every_sequence_of_a_request(live_server: LiveServer) -> None:
@@ -265,7 +302,7 @@ def tight_server(
     args = ["--model", "tiny", "--api-key", API_KEY, "--max-model-len", str(TIGHT_CONTEXT)]
     args += ["--max-num-seqs", "2", "--page-tokens", "64", "--kv-cache-bytes", str(12 << 20)]
     args += ["--grammar-timeout", "0.5", "--header-timeout", "1", "--body-timeout", "1"]
-    args += ["--max-grammar-schema-bytes", str(1 << 20)]
+    args += ["--max-grammar-schema-bytes", str(1 << 20), "--max-concurrent-sequences", "300"]
     server = spawn_server(tiny_cache, tmp / "server.log", args)
     wait_ready(server)
     try:
@@ -301,6 +338,25 @@ class HealthProbe:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join(15)
+
+
+def test_admission_counts_sequences_not_requests(tight_server: LiveServer) -> None:
+    """--max-concurrent-sequences 300: a request holding 256 sequences leaves room for
+    44 more; a second one asking for 64 is a 429 until the first lets go."""
+    body = {"model": "deepseek-chat", "prompt": ["a", "b"], "n": 128, "max_tokens": 200}
+    client, response, _lines = _open_stream(tight_server, {**body, "stream": True})
+    try:
+        second = {"model": "deepseek-chat", "prompt": "c", "n": 64, "max_tokens": 1}
+        r = post_raw(tight_server, "/v1/completions", second)
+        assert "too many sequences" in assert_error(r, 429)
+    finally:
+        response.close()
+        client.close()
+    deadline = time.monotonic() + NORMAL_S
+    while (r := post_raw(tight_server, "/v1/completions", second)).status_code == 429:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 64
 
 
 def test_slow_grammar_is_bounded_and_health_stays_fast(tight_server: LiveServer) -> None:
