@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +26,7 @@ from tokenizers import Tokenizer
 from engine.builder import build_engine
 from engine.engine_config import EngineConfig
 from engine.llm_engine import EngineStats, LLMEngine
-from engine.request import Request, RequestOutput
+from engine.request import Request, RequestError, RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +36,11 @@ _IDLE_WAIT_S = 0.5
 
 class EngineDeadError(RuntimeError):
     """The engine thread stopped (shut down, or a step raised)."""
+
+
+class RequestFailedError(RuntimeError):
+    """One request failed inside the engine for a reason other than its own input (a bug
+    in its mask provider or stop handling); the engine goes on. The cause is chained."""
 
 
 @dataclass(slots=True)
@@ -107,6 +114,10 @@ class AsyncEngine:
         self._stats = self.engine.stats()
         self._error: BaseException | None = None
         self._stopping = threading.Event()
+        # Heartbeat: when the engine thread last finished a step or an idle wait
+        # (``time.monotonic``); a step that never ends leaves it behind (``stalled_for``).
+        self._beat = time.monotonic()
+        self._queued_seqs = 0  # sequences handed to the inbox, not yet in the scheduler
         self._thread = threading.Thread(target=self._run, name="flashserve-engine", daemon=True)
         self._thread.start()
 
@@ -126,6 +137,8 @@ class AsyncEngine:
                 raise ValueError(f"request id {rid!r} is already in flight")
             self._active.add(rid)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        with self._lock:
+            self._queued_seqs += _num_seqs(request)
         self._inbox.put(_Add(request, stream))
         finished = False
         try:
@@ -134,6 +147,13 @@ class AsyncEngine:
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
+                if item.error is not None:
+                    # This request failed alone. Its own fault (a grammar that reached a
+                    # dead state) keeps its message; anything else is a server bug whose
+                    # text is for the log, not for the client.
+                    if isinstance(item.error, RequestError):
+                        raise item.error
+                    raise RequestFailedError("the request failed in the engine") from item.error
                 yield item
                 if finished:
                     return
@@ -195,20 +215,51 @@ class AsyncEngine:
         self._inbox.put(_Abort(request_id, report=True))
 
     def stats(self) -> EngineStats:
-        """The snapshot taken after the engine thread's latest step (never blocks on compute)."""
+        """The snapshot taken after the engine thread's latest step (never blocks on compute),
+        with running and waiting counted now: a long step does not hide new work."""
         with self._lock:
-            return self._stats
+            snapshot, queued = self._stats, self._queued_seqs
+        running, waiting = self.engine.queue_lengths()
+        return dataclasses.replace(snapshot, running=running, waiting=waiting + queued)
+
+    @property
+    def num_active(self) -> int:
+        """Requests between ``generate`` and their end (queued, running or finishing)."""
+        with self._lock:
+            return len(self._active)
+
+    def stalled_for(self) -> float:
+        """Seconds since the engine thread last made progress while requests are active
+        (0 when idle): what ``/health`` compares with its stall limit."""
+        with self._lock:
+            if not self._active:
+                return 0.0
+            beat = self._beat
+        return max(0.0, time.monotonic() - beat)
 
     @property
     def is_running(self) -> bool:
         return self._thread.is_alive() and self._error is None
 
     def shutdown(self, timeout: float | None = 30.0) -> None:
-        """Stop the engine thread, end open streams with ``EngineDeadError``, flush KV."""
+        """Stop the engine thread, end open streams with ``EngineDeadError``, flush KV.
+
+        ``timeout`` bounds the whole: the wait for the engine thread's current step,
+        then the SSD flush (run in a thread of its own so a hung disk cannot hold the
+        process past it). A thread still in its step at the deadline is left alone
+        (closing the KV tier under it would be unsafe) and nothing is flushed."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         self._stopping.set()
         self._inbox.put(None)
         self._thread.join(timeout)
-        self.engine.close()
+        if self._thread.is_alive():
+            logger.error("engine thread busy after %s s; the SSD tier is not flushed", timeout)
+            return
+        closer = threading.Thread(target=self.engine.close, name="flashserve-close", daemon=True)
+        closer.start()
+        closer.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        if closer.is_alive():
+            logger.error("the SSD flush did not finish within the shutdown timeout")
 
     # ------------------------------------------------------------ engine thread
     def _run(self) -> None:
@@ -220,6 +271,7 @@ class AsyncEngine:
                 outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
                 # Snapshot first: a consumer holding its final output sees it counted.
                 self._snapshot()
+                self._beat = time.monotonic()
                 self._deliver(outputs)
         except BaseException as exc:  # a failed step poisons every stream
             logger.exception("engine thread failed")
@@ -245,6 +297,8 @@ class AsyncEngine:
     def _apply(self, cmd: _Add | _Abort) -> None:
         if isinstance(cmd, _Add):
             rid = cmd.request.request_id
+            with self._lock:
+                self._queued_seqs -= _num_seqs(cmd.request)
             try:
                 self.engine.add_request(cmd.request)
             except Exception as exc:  # validated already; anything left is a bug to report
@@ -275,3 +329,7 @@ class AsyncEngine:
         for stream in self._streams.values():
             stream.put(error)
         self._streams.clear()
+
+
+def _num_seqs(request: Request) -> int:
+    return 1 if request.prefill_only else request.sampling_params.n

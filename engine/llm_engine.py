@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from engine.model.model import DeepseekV41
 from engine.request import (
     CompletionOutput,
     Request,
+    RequestError,
     RequestMetrics,
     RequestOutput,
     TokenLogprob,
@@ -36,6 +38,8 @@ from engine.step import ModelRunner, StepBatch
 from kvstore.layout import kv_layout
 from kvstore.manager import KVCacheManager
 from kvstore.stats import KVStats
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -323,10 +327,11 @@ class LLMEngine:
             self.scheduler.finish(seq)
             outputs.append(self._finish_prefill(seq, published))
         sampled = batch.sampled()
-        if sampled:
-            self._sample_and_append(sampled, logits)
+        failures = self._sample_and_append(sampled, logits) if sampled else {}
         touched: dict[str, _RequestState] = {}
         for seq in sampled:
+            if seq.request_id in failures:
+                continue
             self._commit(seq)
             if seq.finish_reason is not None:
                 self.scheduler.finish(seq)
@@ -336,11 +341,37 @@ class LLMEngine:
             if state.finished:
                 del self._requests[state.request.request_id]
                 self._count_finished(state)
+        for rid, error in failures.items():
+            outputs.append(self._fail(rid, error))
         self._count_step(batch)
         self.counters.step_seconds += time.perf_counter() - started
         return outputs
 
-    def _sample_and_append(self, seqs: list[Sequence], logits: dict[int, torch.Tensor]) -> None:
+    def _fail(self, request_id: str, error: BaseException) -> RequestOutput:
+        """End every choice of a request whose own state failed (its mask provider,
+        stop handling or detokenizer raised): finish reason ``error``, pages freed,
+        the final output carrying ``error``. Other requests are not touched."""
+        if not isinstance(error, RequestError):
+            logger.error("request %s failed; the engine goes on", request_id, exc_info=error)
+        state = self._requests.pop(request_id)
+        now = self._clock()
+        for choice in state.choices:
+            seq = choice.seq
+            if not seq.is_finished:
+                self.scheduler.finish(seq)
+            seq.finish_reason = "error"
+            seq.finished = now
+            choice.pending_text = ""
+        out = self._output(state)
+        out.error = error
+        self._count_finished(state)
+        return out
+
+    def _sample_and_append(
+        self, seqs: list[Sequence], logits: dict[int, torch.Tensor]
+    ) -> dict[str, BaseException]:
+        """Sample and append one token per sequence; returns the requests that failed
+        (by request id), whose sequences the caller must not commit or report."""
         choices = [self._choice(s) for s in seqs]
         params = [self._requests[s.request_id].request.sampling_params for s in seqs]
         histories = [SeqHistory(s.prompt_view, s.output_view) for s in seqs]
@@ -353,12 +384,20 @@ class LLMEngine:
         tokens = out.token_ids.tolist()
         chosen = out.logprobs.tolist()
         now = self._clock()
+        failures = {seqs[row].request_id: exc for row, exc in out.errors.items()}
         for row, (choice, p) in enumerate(zip(choices, params, strict=True)):
+            rid = seqs[row].request_id
+            if rid in failures:
+                continue
             logprob = None
             if p.logprobs is not None:
                 top = out.top_logprobs[row] if out.top_logprobs is not None else []
                 logprob = TokenLogprob(tokens[row], chosen[row], top)
-            self._append(choice, p, tokens[row], logprob, now)
+            try:
+                self._append(choice, p, tokens[row], logprob, now)
+            except Exception as exc:  # this request's grammar / stop handling, not the engine
+                failures[rid] = exc
+        return failures
 
     def _append(
         self,
@@ -488,6 +527,11 @@ class LLMEngine:
         for choice in state.choices:
             reason = choice.seq.finish_reason or "abort"
             c.finished[reason] = c.finished.get(reason, 0) + 1
+
+    def queue_lengths(self) -> tuple[int, int]:
+        """(running, waiting) sequences now; safe to read from another thread while a
+        step runs (two length reads), unlike ``stats``."""
+        return len(self.scheduler.running), len(self.scheduler.waiting)
 
     def stats(self) -> EngineStats:
         return EngineStats(

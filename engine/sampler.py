@@ -16,10 +16,11 @@ Each stage is a function over the batch so it can be tested alone.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from engine.request import RequestError
 from engine.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
@@ -38,6 +39,8 @@ class SamplerOutput:
     token_ids: torch.Tensor  # int64 [B]
     logprobs: torch.Tensor  # fp32 [B], of the chosen token after penalties, before truncation
     top_logprobs: list[list[tuple[int, float]]] | None  # per row, best first; None if no row asks
+    # Rows whose mask provider failed: their token is meaningless, their request must end.
+    errors: dict[int, BaseException] = field(default_factory=dict)
 
 
 def make_generator(
@@ -85,17 +88,35 @@ def allowed_token_mask(mask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return allowed
 
 
-def apply_token_masks(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
-    """Set tokens a sequence's ``mask_provider`` disallows to -inf, in place."""
+def apply_token_masks(
+    logits: torch.Tensor, params: Sequence[SamplingParams]
+) -> dict[int, BaseException]:
+    """Set tokens a sequence's ``mask_provider`` disallows to -inf, in place.
+
+    A provider that raises, or that allows no token at all (a grammar in a dead
+    state, e.g. an empty language), fails its own row only: the row is returned
+    with its exception and left unmasked so the batch still samples, and the
+    engine ends that request with the error (docs/design/engine.md, "Faults").
+    """
+    failed: dict[int, BaseException] = {}
     for row, p in enumerate(params):
         if p.mask_provider is None:
             continue
-        mask = p.mask_provider.allowed_tokens()
-        if mask is None:
+        try:
+            mask = p.mask_provider.allowed_tokens()
+            if mask is None:
+                continue
+            allowed = allowed_token_mask(mask, logits.shape[1]).to(logits.device)
+            if not bool(allowed.any()):
+                raise RequestError(
+                    "the required output format allows no next token here: its grammar "
+                    "describes no complete output (for example a pattern no string matches)"
+                )
+        except Exception as exc:  # the row's own fault; the engine keeps running
+            failed[row] = exc
             continue
-        allowed = allowed_token_mask(mask, logits.shape[1]).to(logits.device)
-        assert bool(allowed.any()), f"row {row}: the mask provider allows no token"
         logits[row].masked_fill_(~allowed, _NEG_INF)
+    return failed
 
 
 def apply_min_tokens(
@@ -284,7 +305,7 @@ class Sampler:
         assert len(params) == len(histories) == len(generators) == batch
         logits = logits.to(torch.float32, copy=True)  # the caller's tensor stays untouched
         apply_logit_bias(logits, params)
-        apply_token_masks(logits, params)
+        errors = apply_token_masks(logits, params)
         apply_min_tokens(logits, params, histories, self.eos_token_id)
         apply_penalties(logits, params, histories)
         logprobs = logits.log_softmax(dim=1)
@@ -301,7 +322,7 @@ class Sampler:
             token_ids[idx] = exponential_race(kept.softmax(dim=1), [generators[r] for r in sampled])
 
         chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
-        return SamplerOutput(token_ids, chosen, _top_logprobs(logprobs, params))
+        return SamplerOutput(token_ids, chosen, _top_logprobs(logprobs, params), errors)
 
 
 def _top_logprobs(

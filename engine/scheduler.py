@@ -20,10 +20,11 @@ is admitted in a step that preempted.
 
 from __future__ import annotations
 
-import bisect
 import math
 import time
 from collections.abc import Callable
+
+from sortedcontainers import SortedKeyList
 
 from engine.engine_config import EngineConfig
 from engine.model.config import ModelConfig
@@ -52,14 +53,17 @@ class Scheduler:
         self.replay_tokens = replay_tokens
         self._release = release  # the runner's: drop a sequence's SWA / compressor state
         self._clock = clock
-        self.waiting: list[Sequence] = []  # sorted by Sequence.sort_key
-        self.running: list[Sequence] = []  # sorted by Sequence.sort_key
+        # Sorted by Sequence.sort_key (unique: it ends in seq_id). Sorted lists, not
+        # lists: inserting or removing one of many waiting sequences (a large fan-out
+        # aborted at once) costs O(log n), not a scan and a shift of the whole queue.
+        self.waiting: SortedKeyList = SortedKeyList(key=_key)
+        self.running: SortedKeyList = SortedKeyList(key=_key)
         self.num_preemptions = 0
 
     # ------------------------------------------------------------ queues
     def add(self, seq: Sequence) -> None:
         assert seq.status is SequenceStatus.WAITING
-        bisect.insort(self.waiting, seq, key=_key)
+        self.waiting.add(seq)
 
     def finish(self, seq: Sequence) -> None:
         """Take ``seq`` out of the queues and give back its pages and runner state."""
@@ -154,7 +158,7 @@ class Scheduler:
         if seq.first_scheduled is None:
             seq.first_scheduled = self._clock()
         self.waiting.pop(0)
-        bisect.insort(self.running, seq, key=_key)
+        self.running.add(seq)
         return PrefillChunk(seq, seq.num_computed, end, end == seq.prefill_end)
 
     def _reserve(self, seq: Sequence, num_tokens: int, batch: StepBatch) -> tuple[bool, bool]:
@@ -182,7 +186,7 @@ class Scheduler:
         self._drop_state(seq)
         seq.reset_for_preemption()
         self.num_preemptions += 1
-        bisect.insort(self.waiting, seq, key=_key)
+        self.waiting.add(seq)
 
     def _drop_state(self, seq: Sequence) -> None:
         self.kv.free(seq.seq_id)

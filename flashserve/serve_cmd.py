@@ -78,6 +78,85 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     http.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
 
+    limits = parser.add_argument_group("limits and timeouts (docs/design/hardening.md)")
+    limits.add_argument(
+        "--max-sequences-per-request",
+        type=int,
+        default=256,
+        help="engine sequences one request may create, prompts x n (default %(default)s)",
+    )
+    limits.add_argument(
+        "--max-concurrent-sequences",
+        type=int,
+        default=4096,
+        help="engine sequences held by all requests at once; more get 429; 0 = no limit "
+        "(default %(default)s)",
+    )
+    limits.add_argument(
+        "--preprocess-workers",
+        type=int,
+        default=4,
+        help="threads that tokenise and plan requests off the event loop (default %(default)s)",
+    )
+    limits.add_argument(
+        "--preprocess-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a request may spend tokenising and building its grammar (default "
+        "%(default)s)",
+    )
+    limits.add_argument(
+        "--grammar-timeout",
+        type=float,
+        default=10.0,
+        help="seconds one grammar compilation may take; longer: 400 (default %(default)s)",
+    )
+    limits.add_argument(
+        "--max-grammar-schema-bytes",
+        type=int,
+        default=256 << 10,
+        help="JSON bytes of the schemas one request may enforce (default %(default)s)",
+    )
+    limits.add_argument(
+        "--grammar-cache-bytes",
+        type=int,
+        default=256 << 20,
+        help="compiled grammars kept, LRU, in bytes (default %(default)s)",
+    )
+    limits.add_argument(
+        "--grammar-workers",
+        type=int,
+        default=2,
+        help="grammar compilations at once (default %(default)s)",
+    )
+    limits.add_argument(
+        "--health-stall-timeout",
+        type=float,
+        default=30.0,
+        help="/health is 503 when requests are pending and no engine step finished for this "
+        "many seconds (default %(default)s)",
+    )
+    limits.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a connection may take to send a request's headers; then 408 (default "
+        "%(default)s)",
+    )
+    limits.add_argument(
+        "--body-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a request's body may take to arrive; then 408 (default %(default)s)",
+    )
+    limits.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=20.0,
+        help="on SIGTERM/SIGINT: seconds to drain open requests, then as long again at most to "
+        "stop the engine and flush the SSD tier (default %(default)s)",
+    )
+
     split = parser.add_argument_group("split deployment (docs/design/disaggregation.md)")
     split.add_argument(
         "--prefill-url", action="append", default=[], help="router: a prefill worker (repeatable)"
@@ -195,6 +274,33 @@ def server_settings(
         system_fingerprint=fingerprint,
         role=args.role if args.role != "router" else "both",
         publish_timeout_s=args.publish_timeout,
+        max_sequences_per_request=args.max_sequences_per_request,
+        max_concurrent_sequences=args.max_concurrent_sequences or None,
+        preprocess_workers=args.preprocess_workers,
+        preprocess_timeout_s=args.preprocess_timeout,
+        grammar_timeout_s=args.grammar_timeout,
+        max_grammar_schema_bytes=args.max_grammar_schema_bytes,
+        grammar_cache_bytes=args.grammar_cache_bytes,
+        grammar_workers=args.grammar_workers,
+        health_stall_s=args.health_stall_timeout,
+        body_read_timeout_s=args.body_timeout,
+    )
+
+
+def uvicorn_config(app: object, args: argparse.Namespace) -> uvicorn.Config:
+    """uvicorn's settings: the address, and the bounds on slow clients and on shutdown."""
+    import uvicorn
+
+    from server.http_timeouts import header_timeout_protocol
+
+    return uvicorn.Config(
+        app,  # type: ignore[arg-type]
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        http=header_timeout_protocol(args.header_timeout),
+        # Drain: open requests get this long after the stop signal, then are cancelled.
+        timeout_graceful_shutdown=args.shutdown_timeout,  # type: ignore[arg-type]
     )
 
 
@@ -282,16 +388,14 @@ def run(args: argparse.Namespace) -> int:
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         app = create_app(engine, server_settings(args, fingerprint))
-        server = uvicorn.Server(
-            uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
-        )
+        server = uvicorn.Server(uvicorn_config(app, args))
         asyncio.run(_serve(server, args.served_model_name))
     except KeyboardInterrupt:
         pass  # the stop signal, raised again after the graceful shutdown
     finally:
         signal.signal(signal.SIGTERM, previous)
         _say("shutting down the engine")
-        engine.shutdown()
+        engine.shutdown(timeout=args.shutdown_timeout)
     return 0
 
 
@@ -328,9 +432,7 @@ def _run_router(args: argparse.Namespace) -> int:
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         app = create_router_app(server_settings(args, "fp_router"), router)
-        server = uvicorn.Server(
-            uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
-        )
+        server = uvicorn.Server(uvicorn_config(app, args))
         asyncio.run(_serve(server, args.served_model_name))
     except KeyboardInterrupt:
         pass

@@ -13,6 +13,7 @@ FastAPI's own (validation, unknown path, wrong method) and any bug, leaves as
 # No `from __future__ import annotations`: FastAPI reads the route signatures at
 # runtime, and their dependencies (``auth``) are local to ``create_app``.
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from importlib.metadata import PackageNotFoundError, version
 from typing import Annotated, Any
 
@@ -23,6 +24,7 @@ from fastapi.responses import Response
 from engine.async_engine import AsyncEngine
 from server.auth import api_key_dependency
 from server.body_limit import BodySizeLimit
+from server.docs_routes import add_docs_routes
 from server.error_handlers import install_error_handlers
 from server.errors import unavailable
 from server.generation import Admission, ServingContext
@@ -41,7 +43,7 @@ from server.serving_chat import create_chat_completion
 from server.serving_completions import create_completion
 from server.settings import ServerSettings
 from server.sse import MEDIA_TYPE
-from server.structured_output import StructuredOutputCompiler
+from server.structured_output import GrammarLimits, StructuredOutputCompiler
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorResponse, "description": "Invalid format"},
@@ -83,18 +85,34 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
             tokenizer,
             vocab_size=engine.vocab_size,
             eos_token_id=1 if engine.eos_token_id is None else engine.eos_token_id,
+            limits=GrammarLimits(
+                timeout_s=settings.grammar_timeout_s,
+                max_schema_bytes=settings.max_grammar_schema_bytes,
+                cache_bytes=settings.grammar_cache_bytes,
+                workers=settings.grammar_workers,
+            ),
         ),
-        admission=Admission(settings.max_concurrent_requests),
+        admission=Admission(settings.max_concurrent_requests, settings.max_concurrent_sequences),
+        pool=ThreadPoolExecutor(settings.preprocess_workers, thread_name_prefix="preprocess"),
     )
+    # The schema and its UI are served by routes of our own, behind the API keys.
     app = FastAPI(
         title="flashserve",
         version=_version(),
         summary="OpenAI- and DeepSeek-compatible API for DeepSeek-V4.1-Flash",
+        openapi_url=None,
+        docs_url=None,
+        redoc_url=None,
     )
     app.state.serving = ctx
     install_error_handlers(app)
-    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(
+        BodySizeLimit,
+        max_bytes=settings.max_body_bytes,
+        read_timeout_s=settings.body_read_timeout_s,
+    )
     auth = api_key_dependency(settings.api_keys)
+    add_docs_routes(app, auth)
     if settings.role == "prefill":
         add_prefill_routes(app, ctx, auth)
     else:
@@ -102,9 +120,15 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
 
     @app.get("/health", responses={503: _ERRORS[503]})
     async def health() -> dict[str, str]:
-        """200 while the engine thread runs (no authentication)."""
+        """200 while the engine thread runs and keeps making progress (no authentication).
+
+        503 when it stopped, or when requests are pending and no step has finished for
+        ``health_stall_s`` (a wedged engine must fail its liveness probe)."""
         if not engine.is_running:
             raise unavailable("The engine is not running")
+        stalled = engine.stalled_for()
+        if stalled > settings.health_stall_s:
+            raise unavailable(f"The engine has made no progress for {stalled:.0f} s")
         return {"status": "ok"}
 
     @app.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE: {}}}})

@@ -37,6 +37,12 @@ def install_error_handlers(app: FastAPI) -> None:
         assert isinstance(exc, StarletteHTTPException)
         return reply(APIError(exc.status_code, str(exc.detail)), exc.headers)
 
+    async def too_deep(request: HttpRequest, exc: Exception) -> JSONResponse:
+        # A value nested past what a parser or renderer recurses through; the input's
+        # fault, not the server's (the request checks bound depth, this is the backstop).
+        logger.warning("recursion limit on %s %s", request.method, request.url.path)
+        return reply(APIError(400, "The request nests values too deeply"))
+
     async def unexpected(request: HttpRequest, exc: Exception) -> JSONResponse:
         logger.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
         return reply(server_error())
@@ -44,4 +50,5 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(RecursionError, too_deep)
     app.add_exception_handler(Exception, unexpected)

@@ -15,7 +15,9 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from tokenizers import Tokenizer
 
@@ -37,21 +39,41 @@ from server.structured_output import StructuredOutputCompiler
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 
 @dataclass(slots=True)
 class Admission:
-    """Counts requests in flight; over the limit a new one is a 429 (event loop only)."""
+    """Counts requests and engine sequences in flight; over either limit a new request is
+    a 429 (event loop only). A request with ``k`` prompts and ``n`` choices holds
+    ``k * n`` sequences: fan-out is charged for what it costs the engine."""
 
     limit: int | None = None
+    sequence_limit: int | None = None
     active: int = 0
+    active_sequences: int = 0
 
-    def enter(self) -> None:
+    def check(self, sequences: int = 1) -> None:
+        """429 if a request of ``sequences`` would not be admitted now (reserves nothing:
+        callers check before expensive work, and ``enter`` decides)."""
         if self.limit is not None and self.active >= self.limit:
             raise overloaded()
-        self.active += 1
+        if (
+            self.sequence_limit is not None
+            and self.active_sequences + sequences > self.sequence_limit
+        ):
+            raise overloaded(
+                "Server is busy: too many sequences (prompts x n) in flight; retry later"
+            )
 
-    def leave(self) -> None:
+    def enter(self, sequences: int = 1) -> None:
+        self.check(sequences)
+        self.active += 1
+        self.active_sequences += sequences
+
+    def leave(self, sequences: int = 1) -> None:
         self.active -= 1
+        self.active_sequences -= sequences
 
 
 @dataclass(slots=True)
@@ -66,9 +88,61 @@ class ServingContext:
     structured: StructuredOutputCompiler
     admission: Admission = field(default_factory=Admission)
 
-    def encode(self, text: str) -> list[int]:
-        """Prompt text (special tokens written out) -> ids; BOS is part of the text."""
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+    # Worker threads for tokenisation and request planning (``offload``).
+    pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(4, thread_name_prefix="preprocess")
+    )
+    # Most text bytes one token stands for: a prompt of B bytes has at least
+    # B / max_token_bytes tokens, which can refuse it before tokenising.
+    max_token_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_token_bytes == 0 and self.tokenizer is not None:
+            self.max_token_bytes = max(
+                len(t.encode()) for t in self.tokenizer.get_vocab(with_added_tokens=True)
+            )
+
+    def encode(self, text: str, param: str = "messages") -> list[int]:
+        """Prompt text (special tokens written out) -> ids; BOS is part of the text.
+
+        Refuses text whose byte length alone proves it exceeds the context, without
+        tokenising it. ``encode_batch`` releases the GIL (``encode`` does not), so a
+        long prompt in a worker thread does not stall the event loop."""
+        nbytes = len(text.encode("utf-8", "surrogatepass"))
+        at_least = -(-nbytes // self.max_token_bytes)
+        limit = self.engine.max_model_len
+        if at_least >= limit:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, your "
+                f"{param} ({nbytes} bytes) resulted in at least {at_least} tokens. Please "
+                f"reduce the length of the {param}.",
+                param=param,
+            )
+        return self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
+
+    def decode(self, ids: list[int]) -> str:
+        """Token ids -> text with special tokens written out (GIL released, as ``encode``)."""
+        return self.tokenizer.decode_batch([ids], skip_special_tokens=False)[0]
+
+    async def offload(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` in a preprocessing thread, bounded by the preprocess timeout.
+
+        Tokenising a long prompt or compiling a grammar must not stall other tenants'
+        streams or ``/health``. A call still queued at the deadline is cancelled
+        (503: every worker is busy); one that overran is left to finish (a thread
+        cannot be stopped) and the request gets a 400."""
+        future = self.pool.submit(fn, *args)
+        timeout = self.settings.preprocess_timeout_s
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(future), timeout)
+        except TimeoutError:
+            if future.cancelled() or future.cancel():
+                raise unavailable("Every request worker is busy; retry later") from None
+            raise invalid_request(
+                f"The request took longer than {timeout:g} s to prepare (tokenise, build its "
+                "grammar); shorten the prompt or simplify the schema"
+            ) from None
 
 
 @dataclass(slots=True)
@@ -113,7 +187,9 @@ def engine_error(exc: BaseException) -> APIError:
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, EngineDeadError):
-        return unavailable(f"The engine is not running: {exc}")
+        # Its text names the failed step's exception: for the log, not the client.
+        logger.warning("request refused: %s", exc)
+        return unavailable("The engine is not running")
     if isinstance(exc, ValueError):
         return request_error(str(exc))
     logger.error("engine request failed", exc_info=exc)
@@ -155,7 +231,8 @@ class Generation:
                 ctx.engine.validate(call.request)
             except ValueError as exc:
                 raise request_error(str(exc), prompt_param) from exc
-        ctx.admission.enter()
+        self._sequences = sum(c.request.sampling_params.n for c in calls)
+        ctx.admission.enter(self._sequences)
         self._ctx = ctx
         self._calls = sorted(calls, key=lambda c: c.first_index)
         self._clock = clock
@@ -267,7 +344,7 @@ class Generation:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._ctx.admission.leave()
+        self._ctx.admission.leave(self._sequences)
 
 
 class ClientGone(Exception):

@@ -58,7 +58,7 @@ def add_prefill_routes(
         http: HttpRequest,
         api_key: Annotated[str | None, Depends(auth)],
     ) -> PrefillResponse | Response:
-        calls = plan_chat(ctx, body, api_key).calls
+        calls = (await ctx.offload(plan_chat, ctx, body, api_key)).calls
         # Choices with grammars of their own share one prompt: prefill it once.
         request = calls[0].request
         ids, salt = [request.prompt_token_ids], request.cache_salt
@@ -70,7 +70,7 @@ def add_prefill_routes(
             http: HttpRequest,
             api_key: Annotated[str | None, Depends(auth)],
         ) -> PrefillResponse | Response:
-            ids = completion_prompt_ids(ctx, body, fim=fim)
+            ids = await ctx.offload(completion_prompt_ids, ctx, body, fim)
             salt = tenant_salt(api_key, body.cache_salt)
             return await _publish(ctx, ids, salt, "prompt", http.is_disconnected)
 

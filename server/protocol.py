@@ -27,6 +27,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from server.errors import APIError
+from server.input_checks import check_arguments_text, check_body
 
 MAX_TOOLS = 128
 MAX_STOP = 16
@@ -63,7 +64,9 @@ def _parameter_error(message: str, **ctx: Any) -> PydanticCustomError:
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    # strict: no coercion of "2" to 2 or "yes" to True, as the OpenAI API (an int is
+    # still a valid float).
+    model_config = ConfigDict(extra="ignore", populate_by_name=True, strict=True)
 
 
 def _drop_none(data: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
@@ -105,6 +108,16 @@ def content_text(content: str | list[ContentPart] | None) -> str:
 class FunctionCall(_Request):
     name: str
     arguments: str | dict[str, Any] = ""
+
+    @field_validator("arguments")
+    @classmethod
+    def _depth(cls, value: str | dict[str, Any]) -> str | dict[str, Any]:
+        if isinstance(value, str):
+            try:
+                check_arguments_text(value, "arguments")
+            except APIError as exc:
+                raise _format_error(exc.message.removeprefix("arguments: ")) from None
+        return value
 
 
 class ToolCall(_Request):
@@ -211,6 +224,12 @@ def reasoning_budget(effort: str | int | None) -> int:
 
 class _SamplingRequest(_Request):
     """Fields shared by chat and text completions."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _raw_body(cls, data: Any) -> Any:
+        check_body(data)  # a 400 naming the field, before any field is read
+        return data
 
     model: str
     temperature: float | None = Field(default=None, ge=0, le=2)

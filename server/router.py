@@ -106,7 +106,11 @@ def create_router_app(
 
     app = FastAPI(title="flashserve router", lifespan=lifespan)
     install_error_handlers(app)
-    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(
+        BodySizeLimit,
+        max_bytes=settings.max_body_bytes,
+        read_timeout_s=settings.body_read_timeout_s,
+    )
     auth = api_key_dependency(settings.api_keys)
 
     async def prefill(

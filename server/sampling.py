@@ -8,10 +8,14 @@ within the vocabulary) is checked here.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from engine.sampling_params import SamplingParams, TokenMaskProvider
-from server.errors import invalid_parameter
+from server.errors import invalid_parameter, invalid_request
 from server.protocol import ChatCompletionRequest, CompletionRequest
+
+if TYPE_CHECKING:
+    from server.generation import ServingContext
 
 # OpenAI's "ban" value: -100 makes a token practically impossible.
 BANNED_BIAS = -100.0
@@ -31,6 +35,20 @@ def logit_bias(
     for token_id in banned:
         bias[token_id] = min(bias.get(token_id, 0.0), BANNED_BIAS)
     return bias or None
+
+
+def check_fan_out(ctx: ServingContext, n: int, prompts: int) -> None:
+    """Refuse a request whose engine sequences (prompts x n) exceed the per-request limit,
+    or that the admission limits would turn away now (429), before any tokenising."""
+    limit = ctx.settings.max_sequences_per_request
+    if prompts * n > limit:
+        param = "n" if prompts == 1 else "prompt"
+        raise invalid_request(
+            f"{param}: {prompts} prompt(s) x n={n} make {prompts * n} sequences; at most "
+            f"{limit} per request",
+            param,
+        )
+    ctx.admission.check(prompts * n)
 
 
 def sampling_params(

@@ -42,7 +42,7 @@ from server.protocol import (
     resolve_max_tokens,
 )
 from server.protocol import Usage as ApiUsage
-from server.sampling import sampling_params
+from server.sampling import check_fan_out, logit_bias, sampling_params
 from server.sse import DONE, KEEP_ALIVE, EventStreamResponse, event
 from server.structured_output import GrammarMaskProvider
 from server.tool_calls import DSML, THINK_END, THINK_START
@@ -74,7 +74,9 @@ async def create_chat_completion(
     api_key: str | None,
     http_request: HttpRequest,
 ) -> Response:
-    plan = plan_chat(ctx, body, api_key)
+    check_fan_out(ctx, body.n, 1)
+    # Tokenising and grammar compilation happen off the event loop (ServingContext.offload).
+    plan = await ctx.offload(plan_chat, ctx, body, api_key)
     gen = Generation(
         ctx,
         plan.calls,
@@ -128,6 +130,7 @@ async def create_chat_completion(
 def plan_chat(ctx: ServingContext, body: ChatCompletionRequest, api_key: str | None) -> ChatPlan:
     """Prompt, sampling and grammar of every choice; raises ``APIError`` for what cannot run."""
     route = resolve_model(body.model, ctx.settings.served_model_name)
+    logit_bias(body, ctx.engine.vocab_size)  # cheap checks before the expensive work
     thinking = thinking_enabled(
         route, body.thinking.type if body.thinking else None, body.reasoning_effort
     )
@@ -141,7 +144,7 @@ def plan_chat(ctx: ServingContext, body: ChatCompletionRequest, api_key: str | N
         prefix_completion=body.prefix_completion,
         response_format=body.response_format,
     )
-    ids = ctx.encode(prompt)
+    ids = ctx.encode(prompt, "messages")
     max_tokens = resolve_max_tokens(
         body.max_output_tokens,
         len(ids),

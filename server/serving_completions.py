@@ -44,7 +44,7 @@ from server.protocol import (
     resolve_max_tokens,
 )
 from server.protocol import Usage as ApiUsage
-from server.sampling import sampling_params
+from server.sampling import check_fan_out, logit_bias, sampling_params
 from server.serving_chat import CLIENT_CLOSED
 from server.sse import DONE, KEEP_ALIVE, EventStreamResponse, event
 
@@ -78,7 +78,10 @@ async def create_completion(
 ) -> Response:
     """``fim``: the ``/beta/completions`` path (always fill-in-the-middle)."""
     route = resolve_model(body.model, ctx.settings.served_model_name)
-    prompts = [_prompt(ctx, p, body.suffix, fim) for p in body.prompts()]
+    check_fan_out(ctx, body.n, len(body.prompts()))
+    logit_bias(body, ctx.engine.vocab_size)  # cheap checks before tokenising
+    # Tokenising happens off the event loop (ServingContext.offload).
+    prompts = await ctx.offload(_prompts, ctx, body, fim)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     salt = tenant_salt(api_key, body.cache_salt)
     calls = []
@@ -138,7 +141,11 @@ def completion_prompt_ids(
 ) -> list[list[int]]:
     """The token ids of each prompt, as ``create_completion`` feeds them to the engine."""
     resolve_model(body.model, ctx.settings.served_model_name)
-    return [_prompt(ctx, p, body.suffix, fim).ids for p in body.prompts()]
+    return [p.ids for p in _prompts(ctx, body, fim)]
+
+
+def _prompts(ctx: ServingContext, body: CompletionRequest, fim: bool) -> list[_Prompt]:
+    return [_prompt(ctx, p, body.suffix, fim) for p in body.prompts()]
 
 
 def _prompt(ctx: ServingContext, prompt: str | list[int], suffix: str | None, fim: bool) -> _Prompt:
@@ -152,11 +159,9 @@ def _prompt(ctx: ServingContext, prompt: str | list[int], suffix: str | None, fi
                 f"(size {ctx.engine.vocab_size})",
                 "prompt",
             )
-        return _Prompt(
-            list(prompt), ctx.tokenizer.decode(prompt, skip_special_tokens=False), prompt
-        )
+        return _Prompt(list(prompt), ctx.decode(prompt), prompt)
     text = encode_fim(prompt, suffix) if fim or suffix is not None else encode_completion(prompt)
-    return _Prompt(ctx.encode(text), prompt, ctx.encode(prompt))
+    return _Prompt(ctx.encode(text, "prompt"), prompt, ctx.encode(prompt, "prompt"))
 
 
 def _start_choice(ctx: ServingContext, prompt: _Prompt, body: CompletionRequest) -> _Choice:

@@ -42,6 +42,23 @@ class ServerSettings:
     # Prefill worker: how long a request waits for its pages to become durable on
     # SSD; pages not written by then are left for the decode worker to compute.
     publish_timeout_s: float = 60.0
+    # Hardening (docs/design/hardening.md). Engine sequences one request may create
+    # (prompts x n); each counts against max_concurrent_sequences while it is held.
+    max_sequences_per_request: int = 256
+    max_concurrent_sequences: int | None = 4096
+    # Tokenisation and request planning run in worker threads, never on the event loop.
+    preprocess_workers: int = 4
+    preprocess_timeout_s: float = 30.0
+    # Grammar compilation: per-compile time, schema size, LRU cache bytes, workers.
+    grammar_timeout_s: float = 10.0
+    max_grammar_schema_bytes: int = 256 << 10
+    grammar_cache_bytes: int = 256 << 20
+    grammar_workers: int = 2
+    # /health answers 503 when requests are pending and the engine has not finished a
+    # step (or an idle wait) for this long: a wedged engine fails its liveness probe.
+    health_stall_s: float = 30.0
+    # A request body not received within this many seconds of its headers gets a 408.
+    body_read_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1:
@@ -56,6 +73,30 @@ class ServerSettings:
             raise ValueError(f"ServerSettings.role must be one of {ROLES}, got {self.role!r}")
         if not self.publish_timeout_s > 0:
             raise ValueError("ServerSettings.publish_timeout_s must be > 0")
+        for name in (
+            "max_sequences_per_request",
+            "preprocess_workers",
+            "max_grammar_schema_bytes",
+            "grammar_cache_bytes",
+            "grammar_workers",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ServerSettings.{name} must be >= 1")
+        if self.max_concurrent_sequences is not None and (
+            self.max_concurrent_sequences < self.max_sequences_per_request
+        ):
+            raise ValueError(
+                "ServerSettings.max_concurrent_sequences must be >= max_sequences_per_request "
+                "(or None): a request at the per-request limit must be admissible"
+            )
+        for name in (
+            "preprocess_timeout_s",
+            "grammar_timeout_s",
+            "health_stall_s",
+            "body_read_timeout_s",
+        ):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"ServerSettings.{name} must be > 0")
         if any(not key for key in self.api_keys):
             raise ValueError("ServerSettings.api_keys: keys must not be empty")
 

@@ -22,8 +22,13 @@ use; EOS is allowed only once the grammar is complete.
 
 from __future__ import annotations
 
+import json
+import re
 import sys
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -41,6 +46,7 @@ from xgrammar.structural_tag import (
 
 from server.errors import APIError
 from server.protocol import NamedToolChoice, ResponseFormat, Tool
+from server.schema_check import schema_problem
 from server.tool_calls import DSML, THINK_END, THINK_START
 
 # Added tokens a grammar may produce; every other added token is masked out.
@@ -55,6 +61,58 @@ NO_PARAMETERS: dict[str, Any] = {
     "properties": {},
     "additionalProperties": False,
 }  # xgrammar's built-in V4.1 calls-block format
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarLimits:
+    """Bounds on grammar work (flags of ``flashserve serve``, README "Limits")."""
+
+    timeout_s: float = 10.0  # one compilation, wall time
+    max_schema_bytes: int = 256 << 10  # JSON of the schemas one request asks to enforce
+    cache_bytes: int = 256 << 20  # compiled grammars kept (LRU)
+    workers: int = 2  # compilations at once
+
+    def __post_init__(self) -> None:
+        if not self.timeout_s > 0 or min(self.max_schema_bytes, self.cache_bytes, self.workers) < 1:
+            raise ValueError("GrammarLimits: every limit must be positive")
+
+
+def check_grammar_inputs(
+    limits: GrammarLimits, response_format: ResponseFormat | None, tools: Sequence[Tool]
+) -> None:
+    """400 before compiling: schemas too large, or ones no value satisfies."""
+    schemas: list[tuple[str, Any]] = []
+    if response_format is not None and response_format.json_schema is not None:
+        schemas.append(("response_format.json_schema.schema", response_format.json_schema.schema_))
+    for i, tool in enumerate(tools):
+        if tool.function.parameters is not None:
+            schemas.append((f"tools[{i}].function.parameters", tool.function.parameters))
+    size = sum(len(json.dumps(s)) for _, s in schemas)
+    if size > limits.max_schema_bytes:
+        param = schemas[0][0].split("[", 1)[0]
+        raise APIError(
+            400,
+            f"{param}: the schemas total {size} bytes of JSON; at most "
+            f"{limits.max_schema_bytes} are compiled into a grammar",
+            param=param,
+        )
+    for where, schema in schemas:
+        reason = schema_problem(schema, where)
+        if reason is not None:
+            param = where.split("[", 1)[0]
+            raise APIError(400, f"cannot enforce the schema: {reason}", param=param)
+
+
+# xgrammar's C++ errors start "[10:12:20] /project/cpp/regex_converter.cc:94: ".
+_SOURCE_PREFIX = re.compile(r"^\s*(\[[\d:.]+\]\s*)?(\S+\.(cc|cpp|h|hpp|py):\d+:\s*)?")
+_PATHS = re.compile(r"(/[\w.\-]+){2,}(:\d+)?")
+
+
+def clean_grammar_error(exc: BaseException) -> str:
+    """The compiler's complaint, without timestamps, source paths or a traceback."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    text = _PATHS.sub("<path>", _SOURCE_PREFIX.sub("", text))
+    return text[:300]
 
 
 def grammar_tokenizer_info(
@@ -120,11 +178,24 @@ class StructuredOutputCompiler:
     """Builds mask providers for requests; compiled grammars are cached by xgrammar."""
 
     def __init__(
-        self, tokenizer: Tokenizer, *, vocab_size: int, eos_token_id: int, max_threads: int = 1
+        self,
+        tokenizer: Tokenizer,
+        *,
+        vocab_size: int,
+        eos_token_id: int,
+        max_threads: int = 1,
+        limits: GrammarLimits | None = None,
     ) -> None:
         self.vocab_size = vocab_size
+        self.limits = limits or GrammarLimits()
         info = grammar_tokenizer_info(tokenizer, vocab_size=vocab_size, eos_token_id=eos_token_id)
-        self._compiler = xgr.GrammarCompiler(info, max_threads=max_threads)
+        # xgrammar's cache is an LRU bounded in bytes: distinct schemas cannot grow it.
+        self._compiler = xgr.GrammarCompiler(
+            info, max_threads=max_threads, cache_limit_bytes=self.limits.cache_bytes
+        )
+        # Compilation runs here, never on the caller's thread, so it can be timed out
+        # (xgrammar releases the GIL while it compiles).
+        self._pool = ThreadPoolExecutor(self.limits.workers, thread_name_prefix="grammar")
 
     def for_request(
         self,
@@ -160,11 +231,11 @@ class StructuredOutputCompiler:
                 begin="", content=AnyTextFormat(excludes=[THINK_START, THINK_END]), end=THINK_END
             )
             body = SequenceFormat(elements=[reasoning, body])
-        try:
-            compiled = self._compiler.compile_structural_tag(StructuralTag(format=body))
-        except Exception as exc:  # xgrammar raises several types for a bad schema
-            param = "tools" if forced else "response_format"
-            raise APIError(400, f"{param}: cannot build a grammar: {exc}", param=param) from exc
+        param = "tools" if forced else "response_format"
+        check_grammar_inputs(
+            self.limits, response_format if wants_json and not forced else None, tools or []
+        )
+        compiled = self._compile(StructuralTag(format=body), param)
         provider = GrammarMaskProvider(compiled, self.vocab_size)
         if prefix and not provider.accept_text(prefix):
             raise APIError(
@@ -173,6 +244,33 @@ class StructuredOutputCompiler:
                 param="messages",
             )
         return provider
+
+    def _compile(self, tag: StructuralTag, param: str) -> xgr.CompiledGrammar:
+        """Compile in the grammar pool within ``limits.timeout_s``; errors as a clean 400.
+
+        A compile that overruns is left to finish in its thread (xgrammar cannot be
+        interrupted) and its result dropped; one that never started is cancelled, and
+        the request gets a 503 (every grammar worker is busy)."""
+        future = self._pool.submit(self._compiler.compile_structural_tag, tag)
+        try:
+            return future.result(timeout=self.limits.timeout_s)
+        except FutureTimeout:
+            if future.cancel():
+                raise APIError(
+                    503, "Every grammar worker is busy; retry later", param=param
+                ) from None
+            raise APIError(
+                400,
+                f"{param}: the grammar did not compile within {self.limits.timeout_s:g} s; "
+                "simplify the schema",
+                param=param,
+            ) from None
+        except Exception as exc:  # xgrammar raises several types for a bad schema
+            message = f"{param}: cannot build a grammar: {clean_grammar_error(exc)}"
+            raise APIError(400, message, param=param) from exc
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     @staticmethod
     def _calls_format(tools: Sequence[Tool], tool_choice: Any, parallel_tool_calls: bool) -> Any:
