@@ -249,14 +249,21 @@ class PagedKV:
 
     # ------------------------------------------------------------ attention
     def index_scores(
-        self, source_id: int, qi: torch.Tensor, weights: torch.Tensor
+        self, source_id: int, qi: torch.Tensor, weights: torch.Tensor, scale: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         ratio = self.ratios[source_id]
         pages = self.pages[source_id]
         n_cols = max(s.end for s in self.segments) // ratio
         n_visible = torch.div(self._pos + 1, ratio, rounding_mode="floor")
+        # The kernels take the score scale folded into the head weights.
         scores = indexer_scores(
-            qi, weights, pages.index_data, pages.index_scales, self._tables, n_visible, n_cols
+            qi,
+            weights * scale,
+            pages.index_data,
+            pages.index_scales,
+            self._tables,
+            n_visible,
+            n_cols,
         )
         return scores, visible_entries(self._pos, n_cols, ratio)
 

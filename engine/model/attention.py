@@ -194,7 +194,7 @@ class Attention(nn.Module):
         """
         assert self.indexer is not None and self.kv_source is not None
         qi, w = self.indexer.queries(qr, x, pos)
-        scores, visible = kv.index_scores(self.kv_source, qi, w)
+        scores, visible = kv.index_scores(self.kv_source, qi, w, self.indexer.score_scale)
         allowed = visible
         if sel.candidates is not None and self.layer_id > self.candidate_source:
             allowed = visible & sel.candidates

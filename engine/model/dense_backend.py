@@ -152,10 +152,10 @@ class DenseKV:
         self.global_kv.keys[layer_id] = torch.cat([old_k, index_key.to(old_k.dtype)])
 
     def index_scores(
-        self, source_id: int, qi: torch.Tensor, weights: torch.Tensor
+        self, source_id: int, qi: torch.Tensor, weights: torch.Tensor, scale: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         keys = self.global_kv.keys[source_id]
-        scores = indexer_scores(qi, weights, keys)
+        scores = indexer_scores(qi, weights, keys, scale)
         return scores, visible_entries(self._pos, keys.shape[0], self.ratios[source_id])
 
     def attend(

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import math
 
 import numpy as np
 import torch
@@ -180,13 +179,16 @@ def engram_gate(
     ``gate = sigmoid(sign(s) sqrt(max(|s|, 1e-6)))`` with sign(0) = +.
     """
     dim = R.shape[-1]
-    r = upcast(R)
-    k = upcast(key)
-    r_hat = r * torch.rsqrt(r.square().mean(dim=-1, keepdim=True) + eps)
-    k_hat = k * torch.rsqrt(k.square().mean(dim=-1, keepdim=True) + eps)
-    dot = (r_hat * upcast(q_weight) * k_hat * upcast(k_weight)).sum(dim=-1) / math.sqrt(dim)
+    r, k = upcast(R), upcast(key)
+    # The release's order: one dot of R, the weights' product and the key, then both
+    # inverse RMS and 1/sqrt(D) (fp32 rounds it differently from normalising first).
+    weight = upcast(q_weight) * upcast(k_weight)
+    inv_rms = torch.rsqrt(r.square().mean(dim=-1) + eps) * torch.rsqrt(
+        k.square().mean(dim=-1) + eps
+    )
+    dot = (r * weight * k).sum(dim=-1) * inv_rms * dim**-0.5
     magnitude = dot.abs().clamp(min=GATE_FLOOR).sqrt()
-    return torch.sigmoid(torch.where(dot < 0, -magnitude, magnitude))
+    return torch.sigmoid(torch.copysign(magnitude, dot))
 
 
 class Engram(nn.Module):

@@ -19,13 +19,16 @@ from engine.model.rope import rope_inv_freq, rope_tail
 from kernels.kv_formats import fake_quant_index_key
 
 
-def indexer_scores(qi: torch.Tensor, w: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """``I[t, s] = sum_h w[t, h] * relu(qi[t, h] . k[s])`` in fp32.
+def indexer_scores(
+    qi: torch.Tensor, w: torch.Tensor, k: torch.Tensor, scale: float = 1.0
+) -> torch.Tensor:
+    """``I[t, s] = sum_h w[t, h] * (relu(qi[t, h] . k[s]) * scale)`` in fp32.
 
     qi [T, h, d], w [T, h], k [S, d] -> [T, S]. Visibility is the caller's job.
+    The scale multiplies each head's relu before its weight, in the release's order.
     """
     dots = torch.einsum("thd,sd->ths", upcast(qi), upcast(k))
-    return (dots.relu() * upcast(w)[:, :, None]).sum(dim=1)
+    return (dots.relu() * scale * upcast(w)[:, :, None]).sum(dim=1)
 
 
 class Indexer(nn.Module):
@@ -53,7 +56,9 @@ class Indexer(nn.Module):
             self.k_norm = None
         # Same (YaRN) frequencies as the layer's attention: q.k stays relative.
         self.register_buffer("inv_freq", rope_inv_freq(config, layer_id), persistent=False)
-        self.weight_scale = self.head_dim**-0.5 * self.n_heads**-0.5
+        # Scores are relu(q.k) * head_dim^-0.5, weighted by w * n_heads^-0.5.
+        self.score_scale = self.head_dim**-0.5
+        self.weight_scale = self.n_heads**-0.5
 
     def keys(self, latent: torch.Tensor, entry_positions: torch.Tensor) -> torch.Tensor:
         """Index keys [S, index_head_dim] of un-RoPE'd latents [S, head_dim].
@@ -72,7 +77,8 @@ class Indexer(nn.Module):
         ``qi`` is RoPE'd at ``positions`` and MXFP4-rounded.
 
         ``qr`` is the attention's normed query latent, ``x`` the attention input.
-        ``w`` folds in ``index_head_dim^-0.5 * index_n_heads^-0.5``.
+        ``w`` folds in ``index_n_heads^-0.5``; ``score_scale`` (``index_head_dim^-0.5``)
+        multiplies each head's relu.
         """
         # Projection outputs round to the model dtype, as the release's bf16 linears do.
         qi = F.linear(upcast(qr), upcast(self.wq_b.weight)).to(qr.dtype)
@@ -88,4 +94,4 @@ class Indexer(nn.Module):
 
     def scores(self, qi: torch.Tensor, w: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """Dense scores [T, S] against keys k [S, index_head_dim]; see ``indexer_scores``."""
-        return indexer_scores(qi, w, k)
+        return indexer_scores(qi, w, k, self.score_scale)

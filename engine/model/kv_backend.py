@@ -67,11 +67,11 @@ class KVBackend(Protocol):
         ...
 
     def index_scores(
-        self, source_id: int, qi: torch.Tensor, weights: torch.Tensor
+        self, source_id: int, qi: torch.Tensor, weights: torch.Tensor, scale: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(scores [T, S] fp32, visible [T, S] bool) of queries ``qi`` [T, h, d] with head
         weights [T, h] against kv source ``source_id``'s index keys:
-        ``sum_h w[t, h] relu(qi[t, h] . k[s])``; entry ``s`` visible iff
+        ``sum_h w[t, h] (relu(qi[t, h] . k[s]) scale)``; entry ``s`` visible iff
         ``s < (pos + 1) // ratio``."""
         ...
 

@@ -46,7 +46,7 @@ def hc_coefficients(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(pre [T, hc], post [T, hc], comb [T, hc, hc])`` of one sublayer, all fp32.
 
-    ``m = (flat(R) @ fn^T) * rsqrt(mean(flat(R)^2) + norm_eps)``, then
+    ``m = (flat(R) * rsqrt(mean(flat(R)^2) + norm_eps)) @ fn^T``, then
     ``pre = sigmoid(m_pre * scale0 + base_pre) + hc_eps`` (not renormalised),
     ``post = 2 sigmoid(m_post * scale1 + base_post)``,
     ``comb = sinkhorn(m_comb * scale2 + base_comb)`` with ``comb[i, j]`` the
@@ -54,8 +54,10 @@ def hc_coefficients(
     """
     hc = R.shape[-2]
     flat = upcast(R.flatten(-2))
-    inv_rms = torch.rsqrt(flat.square().mean(dim=-1, keepdim=True) + norm_eps)
-    m = (flat @ upcast(fn).T) * inv_rms
+    # Normalise, then project: the release's order (the same value as scaling the
+    # projection, rounded as the release rounds it).
+    flat = flat * torch.rsqrt(flat.square().mean(dim=-1, keepdim=True) + norm_eps)
+    m = flat @ upcast(fn).T
     base, scale = upcast(base), upcast(scale)
     m_pre, m_post, m_comb = m.split([hc, hc, hc * hc], dim=-1)
     b_pre, b_post, b_comb = base.split([hc, hc, hc * hc])

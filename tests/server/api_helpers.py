@@ -15,6 +15,7 @@ tokens by default (fuzzed requests stay cheap).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -109,6 +110,17 @@ def start_server(cache: Path, tmp: Path) -> LiveServer:
     server = spawn_server(cache, tmp / "server.log", args)
     wait_ready(server)
     return server
+
+
+@contextlib.contextmanager
+def served(cache: Path, tmp: Path, args: list[str]) -> Iterator[LiveServer]:
+    """A ``flashserve serve ARGS`` on a free loopback port for the ``with`` block."""
+    server = spawn_server(cache, tmp / "server.log", args)
+    wait_ready(server)
+    try:
+        yield server
+    finally:
+        stop_server(server)
 
 
 def spawn_server(

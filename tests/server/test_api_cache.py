@@ -17,9 +17,7 @@ from api_helpers import (
     ENV_API_KEY,
     PAGE_TOKENS,
     LiveServer,
-    spawn_server,
-    stop_server,
-    wait_ready,
+    served,
 )
 
 
@@ -73,12 +71,8 @@ def float64_server(
     tmp = tmp_path_factory.mktemp("float64-server")
     args = ["--model", "tiny", "--dtype", "float64", "--api-key", API_KEY]
     args += ["--page-tokens", str(PAGE_TOKENS), "--max-model-len", "4096"]
-    server = spawn_server(tiny_cache, tmp / "server.log", args)
-    wait_ready(server)
-    try:
+    with served(tiny_cache, tmp, args) as server:
         yield server
-    finally:
-        stop_server(server)
 
 
 def test_a_cache_hit_never_changes_the_greedy_answer(float64_server: LiveServer) -> None:

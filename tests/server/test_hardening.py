@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 import pytest
-from api_helpers import API_KEY, LiveServer, spawn_server, stop_server, wait_ready
+from api_helpers import API_KEY, LiveServer, served, spawn_server, stop_server, wait_ready
 
 HEADERS = {"Authorization": f"Bearer {API_KEY}", "content-type": "application/json"}
 NORMAL_S = 5.0  # a tiny request on the tiny model answers well within this
@@ -303,12 +303,8 @@ def tight_server(
     args += ["--max-num-seqs", "2", "--page-tokens", "64", "--kv-cache-bytes", str(12 << 20)]
     args += ["--grammar-timeout", "0.5", "--header-timeout", "1", "--body-timeout", "1"]
     args += ["--max-grammar-schema-bytes", str(1 << 20), "--max-concurrent-sequences", "300"]
-    server = spawn_server(tiny_cache, tmp / "server.log", args)
-    wait_ready(server)
-    try:
+    with served(tiny_cache, tmp, args) as server:
         yield server
-    finally:
-        stop_server(server)
 
 
 class HealthProbe:

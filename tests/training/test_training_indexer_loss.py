@@ -46,7 +46,8 @@ def _oracle(model: DeepseekV41, x: dict[int, torch.Tensor], latents: dict[int, t
         source = model.layers[src].attn
         keys = source.indexer.keys(source.compressor(x[src]), torch.arange(lat.shape[0]) * ratio)
         _, qr = model.layers[l].attn.project_q(x[l], pos)
-        qi, w = model.layers[l].attn.indexer.queries(qr, x[l], pos)
+        indexer = model.layers[l].attn.indexer
+        qi, w = indexer.queries(qr, x[l], pos)
         qs = {m: model.layers[m].attn.project_q(x[m], pos)[0].double() for m in readers(model, l)}
         kls = []
         for t in range(n):
@@ -63,7 +64,9 @@ def _oracle(model: DeepseekV41, x: dict[int, torch.Tensor], latents: dict[int, t
             p = [v / sum(p) for v in p]
             scores = [
                 sum(
-                    float(w[t, h]) * max(0.0, float(qi[t, h].double() @ keys[j].double()))
+                    float(w[t, h])
+                    * max(0.0, float(qi[t, h].double() @ keys[j].double()))
+                    * indexer.score_scale
                     for h in range(qi.shape[1])
                 )
                 for j in visible

@@ -70,9 +70,11 @@ def test_indexer_scores_match_float64_loop():
                 want[t, s] += float(w[t, j]) * max(dot, 0.0)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
-    # The method is the same function.
+    # The method is the same function, with each head's relu scaled by head_dim^-0.5.
     idx = Indexer(ModelConfig.tiny(), 2)
-    assert torch.equal(idx.scores(qi, w, k), got)
+    assert idx.score_scale == 128**-0.5
+    assert torch.equal(idx.scores(qi, w, k), indexer_scores(qi, w, k, 128**-0.5))
+    torch.testing.assert_close(idx.scores(qi, w, k), got * 128**-0.5, rtol=1e-6, atol=1e-7)
 
 
 def test_queries_rope_tail_and_head_weights():
@@ -92,7 +94,7 @@ def test_queries_rope_tail_and_head_weights():
     assert exact > 0.99, f"only {float(exact):.3f} of the codes match"
     step = expected.abs().view(T, 4, 4, 32).amax(-1, keepdim=True) / 6 * 2  # one code step
     assert bool(((qi.double() - expected).abs().view(T, 4, 4, 32) <= step).all())
-    w64 = x.double() @ idx.weights_proj.weight.double().T * 128**-0.5 * 4**-0.5
+    w64 = x.double() @ idx.weights_proj.weight.double().T * 4**-0.5  # n_heads^-0.5
     torch.testing.assert_close(w.double(), w64, rtol=1e-5, atol=1e-6)
     # Indexer RoPE uses the ratio>0 (YaRN) frequencies, not the plain ones.
     torch.testing.assert_close(idx.inv_freq, rope_inv_freq(config, 2))
