@@ -74,7 +74,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--default-max-tokens",
         type=int,
         default=None,
-        help="output budget of requests naming none (default: the rest of the context)",
+        help="output budget of requests naming none, both modes (default: DeepSeek's, "
+        "4096 non-thinking and 32768 thinking, capped by the context)",
     )
     http.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
 

@@ -31,7 +31,8 @@ class ServerSettings:
     keep_alive_s: float = 10.0
     # Requests held at once (streaming or not, running or queued); over it: 429.
     max_concurrent_requests: int | None = None
-    # Output budget when a request names none; None = the rest of the context.
+    # Output budget when a request names none; None = DeepSeek's defaults
+    # (server/model_names.py: 4,096 non-thinking, 32,768 thinking), capped by the context.
     default_max_tokens: int | None = None
     system_fingerprint: str = "fp_flashserve"
     # How often a non-streamed request checks whether its client has gone.
