@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     import uvicorn
 
     from engine.engine_config import EngineConfig
+    from server.pricing import PriceTable
     from server.settings import ServerSettings
 
 NAME = "serve"
@@ -78,6 +79,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "4096 non-thinking and 32768 thinking, capped by the context)",
     )
     http.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
+    http.add_argument(
+        "--vllm-metric-aliases",
+        action="store_true",
+        help="also expose scheduler and cache metrics under vLLM's names (vllm:...), for "
+        "the Gateway API inference extension and llm-d (docs/metrics.md)",
+    )
+
+    cost = parser.add_argument_group("cost (server/pricing.py): usage.cost and cost counters")
+    cost.add_argument(
+        "--prices",
+        default=None,
+        metavar="HIT,MISS,OUTPUT",
+        help="prices per million tokens: cache-hit input, cache-miss input, output",
+    )
+    cost.add_argument(
+        "--off-peak-window",
+        default=None,
+        metavar="HH:MM-HH:MM",
+        help="UTC window priced at --off-peak-discount (may wrap midnight, e.g. 16:30-00:30)",
+    )
+    cost.add_argument(
+        "--off-peak-discount",
+        type=float,
+        default=0.0,
+        help="fraction off every price in the off-peak window (0.5 = half price)",
+    )
+    cost.add_argument("--currency", default="USD", help="currency of --prices (default USD)")
+    cost.add_argument(
+        "--price-file",
+        default=None,
+        help="JSON price table instead of the flags above (docs/metrics.md, 'Cost')",
+    )
 
     split = parser.add_argument_group("split deployment (docs/design/disaggregation.md)")
     split.add_argument(
@@ -196,7 +229,30 @@ def server_settings(
         system_fingerprint=fingerprint,
         role=args.role if args.role != "router" else "both",
         publish_timeout_s=args.publish_timeout,
+        prices=price_table(args),
+        vllm_metric_aliases=args.vllm_metric_aliases,
     )
+
+
+def price_table(args: argparse.Namespace) -> PriceTable | None:
+    """The price table ``--price-file`` or ``--prices`` gives; None without either."""
+    from server.pricing import PriceTable
+
+    if args.price_file and args.prices:
+        raise SystemExit("flashserve serve: give --prices or --price-file, not both")
+    try:
+        if args.price_file:
+            return PriceTable.from_file(args.price_file)
+        if args.prices:
+            return PriceTable.from_flags(
+                args.prices,
+                off_peak_window=args.off_peak_window,
+                off_peak_discount=args.off_peak_discount,
+                currency=args.currency,
+            )
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"flashserve serve: {exc}") from None
+    return None
 
 
 def cache_dir(env: dict[str, str] | None = None) -> Path:

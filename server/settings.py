@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from server.disagg_metrics import ROLES, Role
 from server.model_names import DEFAULT_SERVED_MODEL_NAME
+from server.pricing import PriceTable
 
 API_KEYS_ENV = "FLASHSERVE_API_KEYS"
 
@@ -43,6 +44,10 @@ class ServerSettings:
     # Prefill worker: how long a request waits for its pages to become durable on
     # SSD; pages not written by then are left for the decode worker to compute.
     publish_timeout_s: float = 60.0
+    # Prices per million tokens (server/pricing.py): usage.cost and the cost counters.
+    prices: PriceTable | None = None
+    # Also expose the scheduler and cache metrics under vLLM's names (docs/metrics.md).
+    vllm_metric_aliases: bool = False
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1:
