@@ -142,9 +142,10 @@ def test_metrics_after_traffic(live_server: LiveServer) -> None:
     for name in ("num_requests_waiting", "num_requests_running", "kv_cache_usage_perc"):
         assert f'vllm:{name}{{model_name="deepseek-flash"}}' in text
     assert after[("vllm:generation_tokens_total", ())] == after[generated]
-    assert after[("vllm:e2e_request_latency_seconds_count", ())] == after[
-        ("flashserve:e2e_request_latency_seconds_count", ())
-    ]
+    assert (
+        after[("vllm:e2e_request_latency_seconds_count", ())]
+        == after[("flashserve:e2e_request_latency_seconds_count", ())]
+    )
     assert 'vllm:lora_requests_info{max_lora="0"' in text
     assert 'vllm:cache_config_info{block_size="64"' in text
 
