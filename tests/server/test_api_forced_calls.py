@@ -19,6 +19,7 @@ overrides the default with 8 for its fuzzed requests.
 from __future__ import annotations
 
 import json
+import math
 
 import jsonschema
 import openai
@@ -166,3 +167,34 @@ def test_a_call_cut_by_max_tokens_says_length_and_keeps_its_text(client: openai.
             with pytest.raises(json.JSONDecodeError):
                 json.loads(arguments)
     assert strict_prefixes >= 1
+
+
+def test_top_logprobs_under_the_grammar_list_only_producible_tokens(
+    client: openai.OpenAI,
+) -> None:
+    """The forced prefix leaves few tokens allowed: ``top_logprobs`` lists fewer than
+    asked rather than masked tokens at -9999, and each list is a distribution's top:
+    sorted, its probabilities summing to at most 1, the chosen token's logprob among
+    them when it is the best."""
+    r = client.chat.completions.create(
+        model="deepseek-chat",
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice=NAMED,
+        temperature=0,
+        max_tokens=12,
+        logprobs=True,
+        top_logprobs=20,
+        logit_bias=DSML_AS_ONE_TOKEN,
+    )
+    entries = r.choices[0].logprobs.content
+    assert len(entries) == 12
+    shorter = 0
+    for entry in entries:
+        values = [t.logprob for t in entry.top_logprobs]
+        assert all(-9999 < v <= 0 for v in values), values
+        assert values == sorted(values, reverse=True)
+        assert sum(math.exp(v) for v in values) <= 1 + 1e-4
+        assert entry.logprob == pytest.approx(values[0], abs=1e-4)  # greedy: the best
+        shorter += len(values) < 20
+    assert shorter > 0  # the grammar allowed fewer than 20 tokens somewhere
