@@ -107,15 +107,16 @@ def test_forced_calls_are_schema_valid_and_end_by_eos(
 def test_streamed_argument_deltas_join_to_the_same_valid_json(
     live_server: LiveServer, client: openai.OpenAI
 ) -> None:
+    """The same seeded request streamed and not: the same call, deltas joined (several
+    calls in one stream: tests/server/test_tool_calls.py)."""
     body = {
         "model": "deepseek-chat",
         "messages": ASK,
         "tools": TOOLS,
         "tool_choice": "required",
-        # Greedy decoding of a random model would call again and again with
-        # parallel calls on (their number is bounded only by the budget).
         "parallel_tool_calls": False,
-        "temperature": 0,
+        "temperature": 1.0,
+        "seed": 5,
         "max_tokens": BUDGET,
         "logit_bias": DSML_AS_ONE_TOKEN,
     }
@@ -134,6 +135,7 @@ def test_streamed_argument_deltas_join_to_the_same_valid_json(
     assert finishes == ["tool_calls"]
     streamed = [(c["name"], json.loads(c["arguments"])) for _, c in sorted(joined.items())]
     assert streamed == expected
+    assert len(streamed) == 1
     for name, arguments in streamed:
         jsonschema.validate(arguments, SCHEMAS[name])
 
