@@ -5,7 +5,9 @@ Stages, in order (docs/design/engine.md, "Sampling"):
 1. ``logit_bias``, then the structured-output mask (disallowed -> -inf), then
    ``min_tokens`` (stop tokens -> -inf while the output is too short);
 2. penalties: repetition (prompt + output), frequency, presence (output only);
-3. logprobs are read here, from ``log_softmax`` of these processed logits;
+3. logprobs are read here, from ``log_softmax`` of these processed logits (the
+   one distribution both the chosen token's logprob and ``top_logprobs`` come
+   from; tokens it gives no probability are never listed);
 4. greedy rows take the argmax; the others go through temperature, top-k,
    top-p, min-p, and an exponential race whose noise comes from the sequence's
    own generator.
@@ -328,7 +330,12 @@ class Sampler:
 def _top_logprobs(
     logprobs: torch.Tensor, params: Sequence[SamplingParams]
 ) -> list[list[tuple[int, float]]] | None:
-    """The ``logprobs`` best (token, logprob) pairs of each row that asks for them."""
+    """The ``logprobs`` best (token, logprob) pairs of each row that asks for them.
+
+    Tokens the row cannot produce (masked by a grammar, banned, -inf) are left
+    out, so a row allowing fewer than ``logprobs`` tokens lists fewer: every
+    entry is a real probability of the distribution the token was drawn from.
+    """
     if all(p.logprobs is None for p in params):
         return None
     ks = [p.logprobs or 0 for p in params]
@@ -337,4 +344,7 @@ def _top_logprobs(
         return [[] for _ in params]
     values, ids = logprobs.topk(widest, dim=1)
     values_list, ids_list = values.tolist(), ids.tolist()
-    return [list(zip(ids_list[r][:k], values_list[r][:k], strict=True)) for r, k in enumerate(ks)]
+    return [
+        [(t, v) for t, v in zip(ids_list[r][:k], values_list[r][:k], strict=True) if v > _NEG_INF]
+        for r, k in enumerate(ks)
+    ]

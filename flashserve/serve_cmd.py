@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     import uvicorn
 
     from engine.engine_config import EngineConfig
+    from server.pricing import PriceTable
     from server.settings import ServerSettings
 
 NAME = "serve"
@@ -74,9 +75,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--default-max-tokens",
         type=int,
         default=None,
-        help="output budget of requests naming none (default: the rest of the context)",
+        help="output budget of requests naming none, both modes (default: DeepSeek's, "
+        "4096 non-thinking and 32768 thinking, capped by the context)",
     )
     http.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
+    http.add_argument(
+        "--vllm-metric-aliases",
+        action="store_true",
+        help="also expose scheduler and cache metrics under vLLM's names (vllm:...), for "
+        "the Gateway API inference extension and llm-d (docs/metrics.md)",
+    )
+
+    cost = parser.add_argument_group("cost (server/pricing.py): usage.cost and cost counters")
+    cost.add_argument(
+        "--prices",
+        default=None,
+        metavar="HIT,MISS,OUTPUT",
+        help="prices per million tokens: cache-hit input, cache-miss input, output",
+    )
+    cost.add_argument(
+        "--off-peak-window",
+        default=None,
+        metavar="HH:MM-HH:MM",
+        help="UTC window priced at --off-peak-discount (may wrap midnight, e.g. 16:30-00:30)",
+    )
+    cost.add_argument(
+        "--off-peak-discount",
+        type=float,
+        default=0.0,
+        help="fraction off every price in the off-peak window (0.5 = half price)",
+    )
+    cost.add_argument("--currency", default="USD", help="currency of --prices (default USD)")
+    cost.add_argument(
+        "--price-file",
+        default=None,
+        help="JSON price table instead of the flags above (docs/metrics.md, 'Cost')",
+    )
 
     limits = parser.add_argument_group("limits and timeouts (docs/design/hardening.md)")
     limits.add_argument(
@@ -284,6 +318,8 @@ def server_settings(
         grammar_workers=args.grammar_workers,
         health_stall_s=args.health_stall_timeout,
         body_read_timeout_s=args.body_timeout,
+        prices=price_table(args),
+        vllm_metric_aliases=args.vllm_metric_aliases,
     )
 
 
@@ -302,6 +338,27 @@ def uvicorn_config(app: object, args: argparse.Namespace) -> uvicorn.Config:
         # Drain: open requests get this long after the stop signal, then are cancelled.
         timeout_graceful_shutdown=args.shutdown_timeout,  # type: ignore[arg-type]
     )
+
+
+def price_table(args: argparse.Namespace) -> PriceTable | None:
+    """The price table ``--price-file`` or ``--prices`` gives; None without either."""
+    from server.pricing import PriceTable
+
+    if args.price_file and args.prices:
+        raise SystemExit("flashserve serve: give --prices or --price-file, not both")
+    try:
+        if args.price_file:
+            return PriceTable.from_file(args.price_file)
+        if args.prices:
+            return PriceTable.from_flags(
+                args.prices,
+                off_peak_window=args.off_peak_window,
+                off_peak_discount=args.off_peak_discount,
+                currency=args.currency,
+            )
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"flashserve serve: {exc}") from None
+    return None
 
 
 def cache_dir(env: dict[str, str] | None = None) -> Path:

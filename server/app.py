@@ -78,7 +78,11 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
     ctx = ServingContext(
         engine=engine,
         settings=settings,
-        metrics=ServerMetrics(settings.served_model_name, role=settings.role),
+        metrics=ServerMetrics(
+            settings.served_model_name,
+            role=settings.role,
+            vllm_aliases=settings.vllm_metric_aliases,
+        ),
         tokenizer=tokenizer,
         token_texts=TokenTexts(tokenizer),
         structured=StructuredOutputCompiler(

@@ -153,7 +153,12 @@ class ChatOutputParser:
     # ------------------------------------------------------------ results
     @property
     def finish_reason(self) -> FinishReason:
-        """``tool_calls`` when the model stopped after calling; ``length`` when cut."""
+        """``tool_calls`` when the model called and closed its calls block; ``length``
+        when the budget cut the output (a call included) before that."""
+        if self._tools is not None and self._tools.complete:
+            # Under a grammar only EOS follows a closed block: the calls are whole even
+            # when the budget ran out exactly there.
+            return "tool_calls"
         if self.engine_finish == "length":
             return "length"
         if self._tools is not None and self._tools.has_calls:

@@ -17,6 +17,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 from tokenizers import Tokenizer
@@ -33,7 +34,9 @@ from server.handover import (
 )
 from server.logprobs import TokenTexts
 from server.metrics import ServerMetrics
+from server.pricing import Cost
 from server.protocol import Usage as ApiUsage
+from server.protocol import UsageCost
 from server.settings import ServerSettings
 from server.structured_output import StructuredOutputCompiler
 
@@ -217,6 +220,7 @@ class Generation:
         prompt_param: str = "messages",
         clock: Callable[[], float] = time.monotonic,
         routed: Routed | None = None,
+        wall_clock: Callable[[], datetime] = lambda: datetime.now(UTC),
     ) -> None:
         """Validate every call, then take a place in the admission count (or raise).
 
@@ -236,6 +240,7 @@ class Generation:
         self._ctx = ctx
         self._calls = sorted(calls, key=lambda c: c.first_index)
         self._clock = clock
+        self._arrived = wall_clock()  # what the request is priced at
         self._routed = routed or Routed(None, None, None)
         self._queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
         self._usage: dict[int, Usage] = {}
@@ -334,7 +339,30 @@ class Generation:
                     page_tokens = self._ctx.engine.stats().kv.page_tokens
                     hit = handover.cached_tokens(call.prompt_group, hit, page_tokens)
                 cached += hit
-        return ApiUsage.build(prompt, completion, cached, min(reasoning_tokens, completion))
+        usage = ApiUsage.build(prompt, completion, cached, min(reasoning_tokens, completion))
+        cost = self.cost(usage)
+        if cost is not None:
+            usage.cost = UsageCost(
+                currency=cost.currency,
+                cache_hit_input=cost.cache_hit_input,
+                cache_miss_input=cost.cache_miss_input,
+                output=cost.output,
+                total=cost.total,
+                off_peak=cost.off_peak,
+            )
+        return usage
+
+    def cost(self, usage: ApiUsage) -> Cost | None:
+        """``usage`` at the server's prices when the request arrived; None without prices."""
+        prices = self._ctx.settings.prices
+        if prices is None:
+            return None
+        return prices.cost(
+            hit_tokens=usage.prompt_cache_hit_tokens,
+            miss_tokens=usage.prompt_cache_miss_tokens,
+            output_tokens=usage.completion_tokens,
+            when=self._arrived,
+        )
 
     async def close(self) -> None:
         """Cancel unfinished calls (the engine aborts them) and leave the admission count."""
@@ -345,6 +373,11 @@ class Generation:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._ctx.admission.leave(self._sequences)
+        # A prefill worker's tokens are billed by the decode worker that serves the answer.
+        if self._ctx.settings.role != "prefill":
+            cost = self.cost(self.usage())
+            if cost is not None:
+                self._ctx.metrics.add_cost(cost)
 
 
 class ClientGone(Exception):

@@ -20,12 +20,15 @@ from dataclasses import dataclass
 from itertools import pairwise
 from typing import TYPE_CHECKING, Literal
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from engine.request import FINISH_REASONS
 from server.disagg_metrics import DisaggMetrics, Role
+from server.pricing import KINDS as COST_KINDS
+from server.pricing import Cost
+from server.vllm_metrics import VLLM, VLLMAliasCollector
 
 if TYPE_CHECKING:
     from engine.llm_engine import EngineStats
@@ -193,18 +196,28 @@ class ServerMetrics:
     """Every ``flashserve:`` metric of one model, in a registry of its own."""
 
     def __init__(
-        self, model_name: str, registry: CollectorRegistry | None = None, role: Role = "both"
+        self,
+        model_name: str,
+        registry: CollectorRegistry | None = None,
+        role: Role = "both",
+        vllm_aliases: bool = False,
     ) -> None:
-        """``role`` "router" has no engine: its scrape carries no engine gauges or counters."""
+        """``role`` "router" has no engine: its scrape carries no engine gauges or counters.
+        ``vllm_aliases``: also every ``vllm:`` alias (server/vllm_metrics.py)."""
         self.model_name = model_name
         # A registry per app: two apps (or tests) in one process never collide.
         self.registry = CollectorRegistry() if registry is None else registry
+        prefixes = [PREFIX, VLLM] if vllm_aliases else [PREFIX]
 
-        def histogram(name: str, doc: str, buckets: Sequence[float]):
-            h = Histogram(
-                PREFIX + name, doc, ["model_name"], buckets=buckets, registry=self.registry
+        def histogram(name: str, doc: str, buckets: Sequence[float]) -> _Observers:
+            return _Observers(
+                [
+                    Histogram(
+                        prefix + name, doc, ["model_name"], buckets=buckets, registry=self.registry
+                    ).labels(model_name=model_name)
+                    for prefix in prefixes
+                ]
             )
-            return h.labels(model_name=model_name)
 
         self.time_to_first_token = histogram(
             "time_to_first_token_seconds",
@@ -226,9 +239,26 @@ class ServerMetrics:
             "Seconds from arrival to the first scheduling.",
             QUEUE_BUCKETS,
         )
+        cost = Counter(
+            PREFIX + "cost",
+            "What finished requests cost at the price table, by token kind (its currency).",
+            ["model_name", "kind"],
+            registry=self.registry,
+        )
+        self.cost = {kind: cost.labels(model_name=model_name, kind=kind) for kind in COST_KINDS}
+        self.cost_saved_by_cache = Counter(
+            PREFIX + "cost_saved_by_cache",
+            "What cache-hit input tokens would have cost more at the cache-miss price.",
+            ["model_name"],
+            registry=self.registry,
+        ).labels(model_name=model_name)
         self.engine = EngineCollector(model_name)
         if role != "router":
             self.registry.register(self.engine)
+            if vllm_aliases:
+                self.registry.register(
+                    VLLMAliasCollector(model_name, lambda: self.engine.stats, engine_values)
+                )
         self.disagg = DisaggMetrics(self.registry, model_name, role)
 
     def observe_request(
@@ -261,6 +291,12 @@ class ServerMetrics:
             self.inter_token_latency.observe(later - earlier)
         self.e2e_request_latency.observe(finished - start)
 
+    def add_cost(self, cost: Cost) -> None:
+        """Count one request's cost (server/pricing.py)."""
+        for kind in COST_KINDS:
+            self.cost[kind].inc(getattr(cost, kind))
+        self.cost_saved_by_cache.inc(cost.saved_by_cache)
+
     def set_engine_stats(self, stats: EngineStats) -> None:
         """The engine's latest ``stats()``; the next scrape reads gauges and counters from it."""
         self.engine.stats = stats
@@ -268,6 +304,19 @@ class ServerMetrics:
     def render(self) -> bytes:
         """Every metric in the text exposition format (served with ``CONTENT_TYPE``)."""
         return generate_latest(self.registry)
+
+
+class _Observers:
+    """One observation into the histogram and its aliases."""
+
+    __slots__ = ("_histograms",)
+
+    def __init__(self, histograms: list) -> None:
+        self._histograms = histograms
+
+    def observe(self, value: float) -> None:
+        for h in self._histograms:
+            h.observe(value)
 
 
 def _distinct(times: Iterable[float]) -> list[float]:

@@ -15,6 +15,13 @@ from server.errors import APIError
 
 DEFAULT_SERVED_MODEL_NAME = "deepseek-flash"
 
+# DeepSeek's output budget when a request names no max_tokens (Models & Pricing,
+# "MAX OUTPUT": deepseek-chat, non-thinking, "DEFAULT: 4K"; deepseek-reasoner,
+# thinking, "DEFAULT: 32K"). Every name takes the budget of the mode the request
+# runs in; ``--default-max-tokens`` replaces both.
+DEFAULT_MAX_TOKENS_NON_THINKING = 4096
+DEFAULT_MAX_TOKENS_THINKING = 32768
+
 # alias -> its default thinking mode
 ALIASES: dict[str, bool] = {
     "deepseek-v4-flash": True,
@@ -65,3 +72,10 @@ def thinking_enabled(
     if reasoning_effort == "none":
         return False
     return route.default_thinking
+
+
+def default_max_tokens(thinking: bool, override: int | None = None) -> int:
+    """The output budget of a request that names none (capped later by the context)."""
+    if override is not None:
+        return override
+    return DEFAULT_MAX_TOKENS_THINKING if thinking else DEFAULT_MAX_TOKENS_NON_THINKING

@@ -512,8 +512,20 @@ class CompletionTokensDetails(BaseModel):
     reasoning_tokens: int = 0
 
 
+class UsageCost(BaseModel):
+    """What the request cost at the server's price table (``--prices``/``--price-file``)."""
+
+    currency: str
+    cache_hit_input: float
+    cache_miss_input: float
+    output: float
+    total: float
+    off_peak: bool  # priced at the off-peak rates (arrival time, UTC)
+
+
 class Usage(BaseModel):
-    """Token counts; every field is always present (DeepSeek's and OpenAI's names)."""
+    """Token counts; every field is always present (DeepSeek's and OpenAI's names).
+    ``cost`` only when the server has prices."""
 
     prompt_tokens: int
     completion_tokens: int
@@ -522,6 +534,7 @@ class Usage(BaseModel):
     prompt_cache_miss_tokens: int
     prompt_tokens_details: PromptTokensDetails
     completion_tokens_details: CompletionTokensDetails
+    cost: UsageCost | None = Field(default=None, exclude_if=lambda v: v is None)
 
     @classmethod
     def build(

@@ -30,7 +30,7 @@ from server.generation import (
     routed_of,
     run_to_end,
 )
-from server.model_names import resolve_model, thinking_enabled
+from server.model_names import default_max_tokens, resolve_model, thinking_enabled
 from server.protocol import (
     ChatChoice,
     ChatCompletion,
@@ -149,7 +149,7 @@ def plan_chat(ctx: ServingContext, body: ChatCompletionRequest, api_key: str | N
         body.max_output_tokens,
         len(ids),
         ctx.engine.max_model_len,
-        default=ctx.settings.default_max_tokens,
+        default=default_max_tokens(thinking, ctx.settings.default_max_tokens),
         prompt_param="messages",
         max_tokens_param="max_completion_tokens" if body.max_completion_tokens else "max_tokens",
     )

@@ -33,7 +33,7 @@ from server.generation import (
     run_to_end,
 )
 from server.logprobs import extend_completion_logprobs, extend_prompt_logprobs
-from server.model_names import resolve_model
+from server.model_names import default_max_tokens, resolve_model
 from server.protocol import (
     Completion,
     CompletionChoice,
@@ -90,7 +90,7 @@ async def create_completion(
             body.max_tokens,
             len(prompt.ids),
             ctx.engine.max_model_len,
-            default=ctx.settings.default_max_tokens,
+            default=default_max_tokens(False, ctx.settings.default_max_tokens),
             prompt_param="prompt",
         )
         params = sampling_params(

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from server.disagg_metrics import ROLES, Role
 from server.model_names import DEFAULT_SERVED_MODEL_NAME
+from server.pricing import PriceTable
 
 API_KEYS_ENV = "FLASHSERVE_API_KEYS"
 
@@ -31,7 +32,8 @@ class ServerSettings:
     keep_alive_s: float = 10.0
     # Requests held at once (streaming or not, running or queued); over it: 429.
     max_concurrent_requests: int | None = None
-    # Output budget when a request names none; None = the rest of the context.
+    # Output budget when a request names none; None = DeepSeek's defaults
+    # (server/model_names.py: 4,096 non-thinking, 32,768 thinking), capped by the context.
     default_max_tokens: int | None = None
     system_fingerprint: str = "fp_flashserve"
     # How often a non-streamed request checks whether its client has gone.
@@ -59,6 +61,10 @@ class ServerSettings:
     health_stall_s: float = 30.0
     # A request body not received within this many seconds of its headers gets a 408.
     body_read_timeout_s: float = 60.0
+    # Prices per million tokens (server/pricing.py): usage.cost and the cost counters.
+    prices: PriceTable | None = None
+    # Also expose the scheduler and cache metrics under vLLM's names (docs/metrics.md).
+    vllm_metric_aliases: bool = False
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1:

@@ -9,10 +9,16 @@ What is enforced:
 
 - ``response_format`` ``json_object`` (any JSON object) or ``json_schema``;
   with tools and ``tool_choice: auto`` the output may instead be a calls block.
-- ``tool_choice: required`` (one or more calls of any tool) or a named function
-  (exactly one call of it): a DSML calls block whose arguments satisfy each
-  function's ``parameters`` schema (``strict: false`` is ignored: the schema is
-  always enforced).
+- ``tool_choice: required`` (one or more calls of any tool; exactly one with
+  ``parallel_tool_calls: false``) or a named function (exactly one call of it):
+  a DSML calls block whose arguments satisfy each function's ``parameters``
+  schema (``strict: false`` is ignored: the schema is always enforced), then EOS.
+- ``tool_choice: auto`` (or unset) with tools: free text, and once the model
+  opens a calls block, the same calls grammar until the block closes, then EOS.
+- Whitespace is bounded everywhere: in a calls block at most one character
+  wherever the format allows any (the canonical layout's newline between tags;
+  none is needed inside a value), and JSON output is compact (no whitespace
+  between tokens, ``json.dumps(separators=(",", ":"))``).
 - With thinking on, free reasoning text first, up to ``</think>``.
 
 Added tokens (``<｜User｜>``, BOS, placeholders, ...) are never allowed under a
@@ -37,7 +43,7 @@ import xgrammar as xgr
 from tokenizers import Tokenizer
 from xgrammar.structural_tag import (
     AnyTextFormat,
-    JSONSchemaFormat,
+    GrammarFormat,
     OrFormat,
     SequenceFormat,
     StructuralTag,
@@ -51,9 +57,12 @@ from server.tool_calls import DSML, THINK_END, THINK_START
 
 # Added tokens a grammar may produce; every other added token is masked out.
 GRAMMAR_MARKERS = (THINK_START, THINK_END, DSML)
-# Longest whitespace run allowed inside grammar-constrained JSON: enough for
-# pretty-printing, short enough that a model cannot stall on endless blanks.
-MAX_JSON_WHITESPACE = 32
+# JSON output is compact: xgrammar's own JSON grammar without whitespace.
+JSON_SEPARATORS = (",", ":")
+# Longest whitespace run in a DSML calls block: the canonical layout puts one
+# newline between tags, and no value needs more; unbounded runs let a model
+# spend its whole budget on blanks and leave the call cut.
+MAX_TOOL_CALL_WHITESPACE = 1
 XGRAMMAR_MODEL = "deepseek_v4_1"
 # OpenAI: "omitting parameters defines a function with an empty parameter list".
 NO_PARAMETERS: dict[str, Any] = {
@@ -217,24 +226,34 @@ class StructuredOutputCompiler:
             tool_choice == "required" or isinstance(tool_choice, NamedToolChoice)
         )
         wants_json = response_format is not None and response_format.type != "text"
-        if forced:
-            body: Any = self._calls_format(tools or [], tool_choice, parallel_tool_calls)
-        elif wants_json:
-            assert response_format is not None
-            body = _json_format(response_format)
-            if tools and tool_choice in (None, "auto"):
-                body = OrFormat(elements=[body, self._calls_format(tools, "required", True)])
-        else:
+        auto_tools = bool(tools) and tool_choice in (None, "auto")
+        if not (forced or wants_json or auto_tools):
             return None
+        param = "response_format" if wants_json and not forced else "tools"
+        check_grammar_inputs(
+            self.limits, response_format if wants_json and not forced else None, tools or []
+        )
+        try:
+            if forced:
+                body: Any = self._calls_format(tools or [], tool_choice, parallel_tool_calls)
+            elif wants_json:
+                assert response_format is not None
+                body = _json_format(response_format)
+                if auto_tools:
+                    calls = self._calls_format(tools or [], "required", parallel_tool_calls)
+                    body = OrFormat(elements=[body, calls])
+            else:
+                # Free text until the model opens a calls block, which is then held to
+                # the same grammar as a forced call (and ends the turn).
+                body = self._calls_format(tools or [], "auto", parallel_tool_calls)
+        except Exception as exc:  # the compact-JSON converter rejects a bad schema
+            message = f"{param}: cannot build a grammar: {clean_grammar_error(exc)}"
+            raise APIError(400, message, param=param) from exc
         if starts_in_reasoning:
             reasoning = TagFormat(
                 begin="", content=AnyTextFormat(excludes=[THINK_START, THINK_END]), end=THINK_END
             )
             body = SequenceFormat(elements=[reasoning, body])
-        param = "tools" if forced else "response_format"
-        check_grammar_inputs(
-            self.limits, response_format if wants_json and not forced else None, tools or []
-        )
         compiled = self._compile(StructuralTag(format=body), param)
         provider = GrammarMaskProvider(compiled, self.vocab_size)
         if prefix and not provider.accept_text(prefix):
@@ -274,7 +293,8 @@ class StructuredOutputCompiler:
 
     @staticmethod
     def _calls_format(tools: Sequence[Tool], tool_choice: Any, parallel_tool_calls: bool) -> Any:
-        """xgrammar's V4.1 calls block for ``required`` or one named function."""
+        """xgrammar's V4.1 calls block for ``required``, one named function, or ``auto``
+        (free text with the calls block as a triggered tag)."""
         choice = (
             tool_choice.model_dump() if isinstance(tool_choice, NamedToolChoice) else tool_choice
         )
@@ -284,6 +304,7 @@ class StructuredOutputCompiler:
             tools=specs,
             tool_choice=choice,
             reasoning="disabled",
+            max_whitespace_cnt=MAX_TOOL_CALL_WHITESPACE,
             parallel_tool_calls=parallel_tool_calls,
         )
         return tag.format
@@ -298,10 +319,15 @@ def _function_spec(tool: Tool) -> dict[str, Any]:
     return spec
 
 
-def _json_format(response_format: ResponseFormat) -> JSONSchemaFormat:
+def _json_format(response_format: ResponseFormat) -> GrammarFormat:
+    """Compact JSON for ``response_format`` (the structural tag's JSON format always
+    allows whitespace, so the grammar comes from xgrammar's JSON converter)."""
     if response_format.type == "json_schema":
         assert response_format.json_schema is not None
         schema: dict[str, Any] = response_format.json_schema.schema_
     else:
         schema = {"type": "object"}
-    return JSONSchemaFormat(json_schema=schema, max_whitespace_cnt=MAX_JSON_WHITESPACE)
+    grammar = xgr.Grammar.from_json_schema(
+        json.dumps(schema), any_whitespace=False, separators=JSON_SEPARATORS
+    )
+    return GrammarFormat(grammar=str(grammar))

@@ -200,8 +200,12 @@ class ToolCallParser:
     a calls block separates it from the answer and is dropped. Arguments are
     streamed as JSON fragments whose concatenation is the final arguments
     string: string values character by character, other values once their
-    parameter closes. At ``finish`` an unclosed call is closed so its arguments
-    stay valid JSON (the finish reason tells the client it was cut).
+    parameter closes. At ``finish`` an unclosed call (output cut by
+    ``max_tokens``) keeps the arguments generated so far, a pending non-string
+    value as its raw text, without a trailing partial close tag: nothing is
+    invented to close it, so a cut call never
+    passes for a complete one (``complete`` is False and the finish reason says
+    "length").
     """
 
     def __init__(self, id_factory: Callable[[], str] = new_call_id) -> None:
@@ -214,6 +218,7 @@ class ToolCallParser:
         self._has_param = False  # the open invoke has a parameter already
         self._param_is_string = False
         self._raw_value = ""  # a non-string value waiting for its close tag
+        self._block_closed = False  # a calls block has been closed
 
     @property
     def tool_calls(self) -> list[ParsedToolCall]:
@@ -224,6 +229,11 @@ class ToolCallParser:
     @property
     def has_calls(self) -> bool:
         return bool(self._calls)
+
+    @property
+    def complete(self) -> bool:
+        """Calls were made and their block closed: every call is whole."""
+        return bool(self._calls) and self._block_closed and self._state is _State.CONTENT
 
     def feed(self, text: str) -> ParseDelta:
         self._buf += text
@@ -236,13 +246,12 @@ class ToolCallParser:
         out = ParseDelta()
         if self._state is _State.CONTENT:
             out.content = self._take_content(self._buf)
-        elif self._state is _State.PARAM:
-            self._close_param(self._buf, out)
-            self._close_invoke(out)
-        elif self._state is _State.INVOKE:
-            self._close_invoke(out)
+        elif self._state is _State.PARAM and not self._param_is_string:
+            # Cut inside a non-string value: its text so far, unparsed. The held-back
+            # tail (a possible start of the close tag) is dropped here as in a string
+            # value, so the streamed fragments join to these arguments.
+            self._emit(out, self._raw_value.strip())
         self._buf = ""
-        self._state = _State.CONTENT
         return out
 
     # -- one transition per call; False when more text is needed
@@ -283,6 +292,7 @@ class ToolCallParser:
             self._buf = buf[close + len(CALLS_CLOSE) :]
             self._state = _State.CONTENT
             self._skip_ws = True
+            self._block_closed = True
             return True
         if invoke >= 0:
             end = buf.find('">', invoke + len(INVOKE_OPEN))

@@ -297,6 +297,22 @@ def test_logprobs_after_penalties_before_temperature() -> None:
     assert out.top_logprobs[1] == []
 
 
+def test_top_logprobs_under_a_mask_list_only_allowed_tokens() -> None:
+    """A grammar allowing 2 tokens gives 2 entries for top_logprobs=5, with their
+    hand-computed logprobs over the allowed set; masked tokens never appear."""
+    logits = torch.tensor([[0.0, 2.0, 9.0, 1.0, 5.0, 0.5]])
+    provider = FixedMask(_bool_mask(6, [1, 3]))
+    params = [SamplingParams(temperature=0.0, logprobs=5, mask_provider=provider)]
+    out = Sampler().sample(logits, params, _empty(), [None])
+    assert out.top_logprobs is not None
+    (top,) = out.top_logprobs
+    z = math.log(math.exp(2.0) + math.exp(1.0))
+    assert [t for t, _ in top] == [1, 3]
+    assert [v for _, v in top] == pytest.approx([2.0 - z, 1.0 - z], abs=1e-6)
+    assert out.token_ids.tolist() == [1]
+    assert out.logprobs.tolist() == pytest.approx([2.0 - z], abs=1e-6)
+
+
 def test_top_logprobs_none_when_nobody_asks() -> None:
     out = Sampler().sample(torch.zeros(2, 4), [SamplingParams()] * 2, _empty(2), [None] * 2)
     assert out.top_logprobs is None

@@ -71,6 +71,34 @@ def test_server_settings_from_flags_and_environment() -> None:
     assert serve_cmd.server_settings(_args(), "fp", env={}).api_keys == ()
 
 
+def test_price_and_metric_flags(tmp_path: Path) -> None:
+    from datetime import UTC, datetime
+
+    from server.pricing import Rates
+
+    plain = serve_cmd.server_settings(_args(), "fp", env={})
+    assert plain.prices is None and not plain.vllm_metric_aliases
+    args = _args(
+        *("--prices", "0.07,0.27,1.10", "--off-peak-window", "16:30-00:30"),
+        *("--off-peak-discount", "0.5", "--currency", "USD", "--vllm-metric-aliases"),
+    )
+    settings = serve_cmd.server_settings(args, "fp", env={})
+    assert settings.vllm_metric_aliases
+    prices = settings.prices
+    assert prices is not None and prices.standard == Rates(0.07, 0.27, 1.10)
+    assert prices.rates_at(datetime(2026, 1, 1, 17, tzinfo=UTC)) == (
+        Rates(0.035, 0.135, 0.55),
+        True,
+    )
+    table = tmp_path / "prices.json"
+    table.write_text('{"cache_hit_input": 1, "cache_miss_input": 2, "output": 3}')
+    from_file = serve_cmd.server_settings(_args("--price-file", str(table)), "fp", env={})
+    assert from_file.prices is not None and from_file.prices.standard == Rates(1, 2, 3)
+    for bad in (("--prices", "1,2"), ("--prices", "1,2,3", "--price-file", str(table))):
+        with pytest.raises(SystemExit):
+            serve_cmd.server_settings(_args(*bad), "fp", env={})
+
+
 def test_cache_dir_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
     assert serve_cmd.cache_dir({"FLASHSERVE_CACHE": "/a", "XDG_CACHE_HOME": "/b"}) == Path("/a")
     assert serve_cmd.cache_dir({"XDG_CACHE_HOME": "/b"}) == Path("/b/flashserve")

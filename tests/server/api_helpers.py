@@ -10,7 +10,7 @@ changes.
 Settings chosen for tests: two API keys (flag and environment), at most two
 running sequences (a third request queues), a short keep-alive, a small
 context and KV cache (limits are reachable, page counts visible), 8 output
-tokens by default (fuzzed requests stay cheap).
+tokens by default (fuzzed requests stay cheap), vLLM-named metric aliases on.
 """
 
 from __future__ import annotations
@@ -107,6 +107,7 @@ def start_server(cache: Path, tmp: Path) -> LiveServer:
     args += ["--keep-alive-seconds", str(KEEP_ALIVE_S), "--max-body-bytes", str(MAX_BODY_BYTES)]
     args += ["--default-max-tokens", str(DEFAULT_MAX_TOKENS), "--page-tokens", str(PAGE_TOKENS)]
     args += ["--kv-cache-bytes", str(KV_CACHE_BYTES), "--kv-dir", str(tmp / "kv")]
+    args += ["--vllm-metric-aliases"]
     server = spawn_server(cache, tmp / "server.log", args)
     wait_ready(server)
     return server

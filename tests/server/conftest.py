@@ -46,17 +46,3 @@ def served_tokenizer(live_server: LiveServer, tiny_cache: Path) -> Tokenizer:
     from engine.tokenizer import load_tokenizer
 
     return load_tokenizer(tiny_cache / "tiny-seed0")
-
-
-@pytest.fixture(scope="session")
-def no_whitespace_bias(served_tokenizer: Tokenizer) -> dict[str, int]:
-    """``logit_bias`` banning every all-whitespace token.
-
-    Grammars allow whitespace between tags and values; a random model left
-    alone spends its budget there, so forced-format tests ban it to finish in
-    a few dozen tokens. (Byte-level BPE writes space, newline, tab and CR as
-    these four characters.)
-    """
-    return {
-        str(i): -100 for t, i in served_tokenizer.get_vocab().items() if t and set(t) <= set("ĠĊĉč")
-    }

@@ -138,6 +138,16 @@ def test_metrics_after_traffic(live_server: LiveServer) -> None:
     assert 'flashserve:kv_cache_usage_perc{model_name="deepseek-flash",tier="ssd"}' in text
     generated = ("flashserve:generation_tokens_total", ())
     assert after[generated] - before[generated] == 3
+    # The vLLM names the Gateway API inference extension's endpoint picker scrapes.
+    for name in ("num_requests_waiting", "num_requests_running", "kv_cache_usage_perc"):
+        assert f'vllm:{name}{{model_name="deepseek-flash"}}' in text
+    assert after[("vllm:generation_tokens_total", ())] == after[generated]
+    assert (
+        after[("vllm:e2e_request_latency_seconds_count", ())]
+        == after[("flashserve:e2e_request_latency_seconds_count", ())]
+    )
+    assert 'vllm:lora_requests_info{max_lora="0"' in text
+    assert 'vllm:cache_config_info{block_size="64"' in text
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")

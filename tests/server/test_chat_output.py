@@ -106,11 +106,19 @@ def test_header_and_fragments_in_one_feed_stay_apart() -> None:
 
 def test_length_cut_call_reports_length_and_only_call_is_null_content() -> None:
     p = _parser(starts_in_reasoning=False, parse_tools=True)
-    p.feed(_out(CALL[:80], [1], "length"))
+    cut = CALL[: CALL.index("Paris") + 3]
+    p.feed(_out(cut, [1], "length"))
     assert p.finish_reason == "length"
     message = p.message(thinking=False)
     assert message.content is None  # only a (cut) call
-    assert json.loads(message.tool_calls[0].function.arguments) is not None
+    # The arguments generated so far, not closed into JSON.
+    assert message.tool_calls[0].function.arguments == '{"city": "Par'
+
+
+def test_a_closed_block_is_tool_calls_even_when_the_budget_ends_there() -> None:
+    p = _parser(starts_in_reasoning=False, parse_tools=True)
+    p.feed(_out(CALL, [1], "length"))
+    assert p.finish_reason == "tool_calls"
 
 
 @pytest.fixture(scope="module")

@@ -47,13 +47,15 @@ COUNTERS = {
     "flashserve:disagg_fallbacks_total",
     "flashserve:disagg_published_pages_total",
     "flashserve:disagg_published_bytes_total",
+    "flashserve:cost_total",
+    "flashserve:cost_saved_by_cache_total",
 }
 ENGINE_NAMES = {
     "flashserve:num_requests_running",
     "flashserve:num_requests_waiting",
     "flashserve:kv_cache_usage_perc",
     "flashserve:kv_ssd_bytes",
-} | {n for n in COUNTERS if not n.startswith("flashserve:disagg_")}
+} | {n for n in COUNTERS if not n.startswith(("flashserve:disagg_", "flashserve:cost"))}
 
 
 def samples(metrics: ServerMetrics) -> dict[tuple[str, frozenset], float]:
@@ -272,3 +274,50 @@ def test_two_instances_do_not_collide_and_a_shared_registry_refuses_twins() -> N
     ServerMetrics("a", registry=registry)
     with pytest.raises(ValueError, match="Duplicated"):
         ServerMetrics("b", registry=registry)
+
+
+def test_vllm_aliases_carry_the_same_numbers() -> None:
+    """The names the Gateway API inference extension's endpoint picker scrapes."""
+    m = ServerMetrics(MODEL, vllm_aliases=True)
+    m.set_engine_stats(engine_stats())
+    m.observe_request(arrival=0.0, first_scheduled=0.5, token_times=[1.0, 1.25], finished=2.0)
+    assert value(m, "vllm:num_requests_running") == 3
+    assert value(m, "vllm:num_requests_waiting") == 4
+    assert value(m, "vllm:kv_cache_usage_perc") == 0.75  # the device tier
+    assert value(m, "vllm:gpu_cache_usage_perc") == 0.75
+    assert value(m, "vllm:prompt_tokens_total") == 7000
+    assert value(m, "vllm:generation_tokens_total") == 900
+    assert value(m, "vllm:num_preemptions_total") == 6
+    assert value(m, "vllm:prefix_cache_queries_total") == 5000
+    assert value(m, "vllm:prefix_cache_hits_total") == 1280
+    assert value(m, "vllm:request_success_total", finished_reason="stop") == 5
+    assert value(m, "vllm:cache_config_info", block_size="64", num_gpu_blocks="200") == 1
+    lora = {k: v for k, v in samples(m).items() if k[0] == "vllm:lora_requests_info"}
+    ((_, labels),) = lora
+    assert dict(labels) == {
+        "max_lora": "0",
+        "running_lora_adapters": "",
+        "waiting_lora_adapters": "",
+    }
+    for name, expected in (
+        ("time_to_first_token_seconds", 1.0),
+        ("inter_token_latency_seconds", 0.25),
+        ("e2e_request_latency_seconds", 2.0),
+        ("request_queue_time_seconds", 0.5),
+    ):
+        assert value(m, f"vllm:{name}_sum") == value(m, f"flashserve:{name}_sum") == expected
+    plain = type_lines(ServerMetrics(MODEL))
+    assert not [n for n in plain if n.startswith("vllm:")]  # off by default
+
+
+def test_cost_counters_add_each_request_by_kind() -> None:
+    from server.pricing import Cost
+
+    m = ServerMetrics(MODEL)
+    assert value(m, "flashserve:cost_total", kind="output") == 0
+    m.add_cost(Cost("USD", 0.25, 1.5, 2.0, 0.75, off_peak=False))
+    m.add_cost(Cost("USD", 0.125, 0.5, 1.0, 0.25, off_peak=True))
+    assert value(m, "flashserve:cost_total", kind="cache_hit_input") == 0.375
+    assert value(m, "flashserve:cost_total", kind="cache_miss_input") == 2.0
+    assert value(m, "flashserve:cost_total", kind="output") == 3.0
+    assert value(m, "flashserve:cost_saved_by_cache_total") == 1.0

@@ -22,7 +22,7 @@ from server.errors import APIError
 from server.protocol import ChatCompletionRequest
 from server.reasoning import split_reasoning
 from server.structured_output import StructuredOutputCompiler, bitmask_to_bool
-from server.tool_calls import parse_tool_calls
+from server.tool_calls import parse_tool_calls, render_tool_calls
 
 VOCAB = 129280
 EOS = 1
@@ -152,7 +152,7 @@ def test_masks_read_the_same_in_the_engine_sampler(compiler) -> None:
     # The engine expands the provider's int32 bitmask with its own code path.
     fmt = request(response_format={"type": "json_object"}).response_format
     provider = compiler.for_request(response_format=fmt)
-    assert provider.accept_text('{"k": "v')
+    assert provider.accept_text('{"k":"v')
     bitmask = provider.allowed_tokens()
     assert bitmask.dtype == torch.int32 and bitmask.shape == ((VOCAB + 31) // 32,)
     ours = bitmask_to_bool(bitmask, VOCAB)
@@ -190,7 +190,7 @@ def test_special_tokens_are_masked_and_eos_waits_for_the_end(compiler) -> None:
     mask = bitmask_to_bool(provider.allowed_tokens(), VOCAB)
     for token_id in (0, EOS, 2, 128803, 128804, 128821, 128822, 128825, 128800):
         assert not mask[token_id], token_id
-    assert provider.accept_text('{"a": [1, "x"]}')
+    assert provider.accept_text('{"a":[1,"x"]}')
     assert provider.is_completed() and not provider.is_terminated()
     mask = bitmask_to_bool(provider.allowed_tokens(), VOCAB)
     assert mask[EOS]
@@ -293,7 +293,6 @@ def test_json_with_auto_tools_can_take_the_calls_branch(compiler, closer, tokeni
 def test_nothing_to_enforce_gives_no_provider(compiler) -> None:
     r = request(tools=[WEATHER])
     assert compiler.for_request() is None
-    assert compiler.for_request(tools=r.tools, tool_choice="auto") is None
     assert compiler.for_request(tools=r.tools, tool_choice="none") is None
     fmt = request(response_format={"type": "text"}).response_format
     assert compiler.for_request(response_format=fmt) is None
@@ -303,7 +302,7 @@ def test_prefix_must_fit_the_format(compiler) -> None:
     fmt = request(
         response_format={"type": "json_schema", "json_schema": {"schema": SCHEMA}}
     ).response_format
-    provider = compiler.for_request(response_format=fmt, prefix='{"name": "Al')
+    provider = compiler.for_request(response_format=fmt, prefix='{"name":"Al')
     assert provider is not None and not provider.is_completed()
     with pytest.raises(APIError) as info:
         compiler.for_request(response_format=fmt, prefix="Sure! ")
@@ -317,3 +316,104 @@ def test_a_bad_schema_is_a_400_naming_the_field(compiler) -> None:
     with pytest.raises(APIError) as info:
         compiler.for_request(response_format=fmt)
     assert info.value.status == 400 and info.value.param == "response_format"
+
+
+def test_json_output_is_compact(compiler) -> None:
+    fmt = request(response_format={"type": "json_object"}).response_format
+    for text in ('{ "a":1}', '{"a": 1}', '{"a":1 }', '{"a":[1, 2]}', '\n{"a":1}'):
+        assert not compiler.for_request(response_format=fmt).accept_text(text), text
+    assert compiler.for_request(response_format=fmt).accept_text('{"a":[1,2],"b":{"c":"d e"}}')
+
+
+# The calls block as V4.1 writes it (render_tool_calls is the prompt encoder's own).
+CANONICAL_CALL = "\n\n" + render_tool_calls([("get_weather", {"city": "Paris", "days": 3})])
+
+
+def fresh(compiler, tool_choice="required", parallel=True):
+    r = request(tools=[WEATHER, CLOCK], tool_choice=tool_choice)
+    return compiler.for_request(
+        tools=r.tools, tool_choice=r.effective_tool_choice, parallel_tool_calls=parallel
+    )
+
+
+def inside_string_value(prefix: str) -> bool:
+    """The prefix ends inside a string="true" parameter's value (free text there)."""
+    opened = prefix.rfind('string="true">')
+    return opened >= 0 and prefix.find("</｜DSML｜ parameter>", opened) < 0
+
+
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_calls_block_bounds_whitespace_everywhere(compiler, choice: str) -> None:
+    """The canonical layout (one newline between tags) is accepted, and nowhere outside
+    a string value may a whitespace run grow by two characters beyond it."""
+    tool_choice = (
+        {"type": "function", "function": {"name": "get_weather"}} if choice == "named" else choice
+    )
+    whole = fresh(compiler, tool_choice)
+    assert whole.accept_text(CANONICAL_CALL)
+    assert whole.is_completed()
+    checked = 0
+    for i in range(len(CANONICAL_CALL) + 1):
+        prefix = CANONICAL_CALL[:i]
+        if inside_string_value(prefix) or prefix[-1:].isspace():
+            continue  # free text, or the middle of a run (its start is checked)
+        rest = CANONICAL_CALL[i:]
+        run = rest[: len(rest) - len(rest.lstrip())]
+        for blanks in ("  ", "\n\n", " \n", "\t "):
+            provider = fresh(compiler, tool_choice)
+            assert provider.accept_text(prefix + run)
+            assert not provider.accept_text(blanks), (prefix[-40:], run, blanks)
+        checked += 1
+    assert checked > 150  # every tag boundary and non-string value position
+
+
+def test_eos_is_forced_right_after_the_calls_block(compiler) -> None:
+    provider = fresh(compiler)
+    assert provider.accept_text(CANONICAL_CALL)
+    mask = bitmask_to_bool(provider.allowed_tokens(), VOCAB)
+    assert mask.nonzero().flatten().tolist() == [EOS]
+
+
+def test_parallel_tool_calls_off_allows_exactly_one_call(compiler) -> None:
+    second = render_tool_calls([("get_time", {"zone": "UTC"})])
+    invoke = second[second.index("<｜DSML｜ invoke") :]
+    one, two = fresh(compiler, parallel=False), fresh(compiler, parallel=True)
+    block = CANONICAL_CALL[: CANONICAL_CALL.index("</｜DSML｜ calls>")]
+    assert one.accept_text(block) and two.accept_text(block)
+    assert two.accept_text(invoke)  # parallel on: a second call may follow
+    assert not one.accept_text("<｜DSML｜ invoke")
+    assert one.accept_text("</｜DSML｜ calls>") and one.is_completed()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_auto_tool_choice_completes_an_opened_call_under_the_grammar(
+    compiler, closer, tokenizer, seed: int
+) -> None:
+    """With tools and ``auto``, text is free; once the model opens a calls block the
+    arguments are held to the schema and the turn ends with the block."""
+    r = request(tools=[WEATHER, CLOCK])
+    provider = compiler.for_request(tools=r.tools, tool_choice=r.effective_tool_choice)
+    assert provider is not None
+    assert provider.accept_text("Let me check. ")
+    opened = "\n\n<｜DSML｜ calls>\n"
+    assert provider.accept_text(opened)
+    assert not fresh_auto(compiler).accept_text(opened + '<｜DSML｜ invoke name="nope">')
+    text = "Let me check. " + opened + sample(provider, closer, tokenizer, seed)
+    content = parse_tool_calls(text).content
+    assert content == "Let me check."
+    calls = [(c.name, json.loads(c.arguments)) for c in parse_tool_calls(text).tool_calls]
+    assert calls
+    by_name = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, CLOCK)}
+    for name, arguments in calls:
+        jsonschema.validate(arguments, by_name[name])
+
+
+def fresh_auto(compiler):
+    r = request(tools=[WEATHER, CLOCK])
+    return compiler.for_request(tools=r.tools, tool_choice=r.effective_tool_choice)
+
+
+def test_auto_tool_choice_without_a_call_is_free_text(compiler) -> None:
+    provider = fresh_auto(compiler)
+    assert provider.accept_text("Any   text,\n\n  with blanks { and braces")
+    assert provider.is_completed()  # EOS may end a plain answer

@@ -175,17 +175,46 @@ def test_non_string_value_that_is_not_json_stays_a_string() -> None:
     assert parse_tool_calls(text).tool_calls[0].arguments == '{"when": "tomorrow"}'
 
 
-def test_a_cut_call_is_closed_so_arguments_stay_json() -> None:
-    cut = (
-        '<｜DSML｜ calls>\n<｜DSML｜ invoke name="f">\n'
-        '<｜DSML｜ parameter name="q" string="true">par'
-    )
-    parsed = parse_tool_calls(cut)
-    assert json.loads(parsed.tool_calls[0].arguments) == {"q": "par"}
+def test_a_cut_call_keeps_the_arguments_generated_so_far() -> None:
+    """Nothing is invented to close a cut call: no quote, brace or ``{}``."""
+    head = '<｜DSML｜ calls>\n<｜DSML｜ invoke name="f">\n'
+    cut = head + '<｜DSML｜ parameter name="q" string="true">par'
+    parser = ToolCallParser()
+    parser.feed(cut)
+    parser.finish()
+    assert [c.arguments for c in parser.tool_calls] == ['{"q": "par']
+    assert parser.has_calls and not parser.complete
+    # A possible start of the close tag, held back while streaming, is not argument text.
+    assert parse_tool_calls(cut + "</｜DSML｜ par").tool_calls[0].arguments == '{"q": "par'
     cut_header = '<｜DSML｜ calls>\n<｜DSML｜ invoke name="f'
     assert parse_tool_calls(cut_header).tool_calls == []
-    cut_number = cut.replace('string="true">par', 'string="false">1')
-    assert json.loads(parse_tool_calls(cut_number).tool_calls[0].arguments) == {"q": 1}
+    cut_number = head + '<｜DSML｜ parameter name="q" string="false">\n12 </｜DSML｜ para'
+    assert parse_tool_calls(cut_number).tool_calls[0].arguments == '{"q": 12'
+    no_params = parse_tool_calls(head)
+    assert [c.arguments for c in no_params.tool_calls] == [""]
+    after_one = head + '<｜DSML｜ parameter name="q" string="false">1</｜DSML｜ parameter>\n'
+    assert parse_tool_calls(after_one).tool_calls[0].arguments == '{"q": 1'
+
+
+def test_complete_only_once_the_block_closes() -> None:
+    parser = ToolCallParser()
+    parser.feed(OUTPUT[: OUTPUT.index("</｜DSML｜ calls>")])
+    assert parser.has_calls and not parser.complete
+    parser.feed("</｜DSML｜ calls>")
+    assert parser.complete
+    parser.finish()
+    assert parser.complete
+
+
+@pytest.mark.parametrize("cut", [40, 120, 171, 230, 300])
+def test_streamed_cut_deltas_join_to_the_whole_cut_arguments(cut: int) -> None:
+    text = OUTPUT[:cut]
+    deltas, parser = run_stream([text[i : i + 3] for i in range(0, len(text), 3)])
+    _, calls = collect(deltas)
+    assert [c["arguments"] for c in calls.values()] == [
+        c.arguments for c in parse_tool_calls(text).tool_calls
+    ]
+    assert [c["arguments"] for c in calls.values()] == [c.arguments for c in parser.tool_calls]
 
 
 def test_render_then_parse_round_trips() -> None:
