@@ -126,8 +126,8 @@ def test_stores_starting_while_a_pid_1_process_writes_lose_no_write(
     assert proc.returncode == 0, err
     result = json.loads(out.strip().splitlines()[-1])
     assert result == {"writes": n, "write_errors": 0, "writes_enabled": True, "files": n}
-    # How many temp files a scan happens to see depends on timing; the store that
-    # starts between fsync and rename is test_a_store_starting_mid_write_keeps_the_writers_temp_file.
+    # How many temp files a scan happens to see depends on timing; a store starting
+    # between fsync and rename: test_a_store_starting_mid_write_keeps_the_writers_temp_file.
     assert starts >= 3, "the stores never started while the writer ran"
     store = PersistentStore(tmp_path, LAYOUT, budget_bytes=10**10)
     assert len(store) == n
