@@ -98,10 +98,17 @@ def dense_indexer(model: DeepseekV41, *, topk: bool, candidates: bool) -> Iterat
     if not candidates or not topk:
         changes["candidate_topk_blocks"] = -(-big // config.candidate_block_size)
     model.config = config.replace(**changes)
+    # Each layer's attention keeps its own copy of the selection sizes.
+    saved = [(b.attn, b.attn.index_topk, b.attn.candidate_topk_blocks) for b in model.blocks]
+    for attn, _, _ in saved:
+        attn.index_topk = model.config.index_topk
+        attn.candidate_topk_blocks = model.config.candidate_topk_blocks
     try:
         yield
     finally:
         model.config = config
+        for attn, k, blocks in saved:
+            attn.index_topk, attn.candidate_topk_blocks = k, blocks
 
 
 def run_window(

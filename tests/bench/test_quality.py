@@ -40,7 +40,11 @@ def test_dense_indexer_lifts_and_restores_the_limits() -> None:
         assert model.config.candidate_topk_blocks * 8 >= original.max_position_embeddings
     with dense_indexer(model, topk=False, candidates=False):
         assert model.config.index_topk == original.max_position_embeddings
+        # What the forward reads: each layer's attention (it was the config alone once,
+        # and the forward then ran the limits unchanged).
+        assert all(b.attn.index_topk == original.max_position_embeddings for b in model.blocks)
     assert model.config is original
+    assert all(b.attn.index_topk == original.index_topk for b in model.blocks)
 
 
 def test_plans_replaying_everything_score_like_the_exact_forward() -> None:
