@@ -88,6 +88,7 @@ class _Choice:
 class _RequestState:
     request: Request
     choices: list[_Choice]
+    prompt_scores_reported: bool = False
 
     @property
     def finished(self) -> bool:
@@ -247,6 +248,8 @@ class LLMEngine:
             arrival=request.arrival_time,
             index=index,
             prefill_only=prefill_only,
+            # One choice scores the prompt for all of them.
+            prompt_logprobs=request.sampling_params.prompt_logprobs if index == 0 else None,
         )
 
     def _add_prefill_only(self, request: Request) -> None:
@@ -316,6 +319,14 @@ class LLMEngine:
         t0 = time.perf_counter()
         logits = self.runner.execute(batch)
         self.counters.execute_seconds += time.perf_counter() - t0
+        take = getattr(self.runner, "take_prompt_logprobs", None)
+        if take is not None:
+            prefilled = {c.seq.seq_id: c.seq for c in batch.prefills}
+            for seq_id, scores in take().items():
+                prefilled[seq_id].prompt_scores.extend(scores)
+        for chunk in batch.prefills:
+            if chunk.last and chunk.seq.scores_prompt:
+                chunk.seq.prompt_scored = True
 
         for chunk in batch.prefills:
             chunk.seq.num_computed = chunk.end
@@ -474,7 +485,17 @@ class LLMEngine:
             finished=state.finished,
             usage=self._usage(state),
             metrics=self._metrics(state),
+            prompt_logprobs=self._prompt_logprobs(state),
         )
+
+    @staticmethod
+    def _prompt_logprobs(state: _RequestState) -> list[TokenLogprob] | None:
+        """The prompt's scores, once: in the first output after the prefill scored them."""
+        seq = state.choices[0].seq
+        if not seq.prompt_scored or state.prompt_scores_reported:
+            return None
+        state.prompt_scores_reported = True
+        return seq.prompt_scores
 
     @staticmethod
     def _usage(state: _RequestState) -> Usage:

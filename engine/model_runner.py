@@ -20,6 +20,8 @@ import torch
 
 from engine.model.model import DeepseekV41
 from engine.paged_backend import PagedKV, Segment
+from engine.prompt_scores import score_rows
+from engine.request import TokenLogprob
 from engine.sequence import Sequence
 from engine.step import StepBatch
 from kvstore.manager import KVCacheManager
@@ -49,6 +51,7 @@ class PagedModelRunner:
         )
         self.pages = {l: kv.page_tensors(l) for l in config.kv_source_layer_ids}
         self._has_state: set[int] = set()
+        self._prompt_scores: dict[int, list[TokenLogprob]] = {}
 
     def release(self, seq: Sequence) -> None:
         if seq.seq_id in self._has_state:
@@ -81,4 +84,20 @@ class PagedModelRunner:
             self.device,
         )
         logits = self.model(kv.input_ids(), kv)
-        return dict(zip(kv.logit_seq_ids(), logits, strict=True)) if logits.shape[0] else {}
+        out: dict[int, torch.Tensor] = {}
+        for seg, first, count in kv.logit_segments():
+            rows = logits[first : first + count]
+            if seg.seq.scores_prompt:  # row p predicts token p + 1, up to the prompt's end
+                seq = seg.seq
+                targets = seq.token_ids[seg.start + 1 : min(seg.end + 1, seq.num_prompt_tokens)]
+                assert seq.prompt_logprobs is not None
+                scores = score_rows(rows, list(targets), seq.prompt_logprobs)
+                self._prompt_scores.setdefault(seq.seq_id, []).extend(scores)
+            if seg.wants_logits:
+                out[seg.seq.seq_id] = rows[-1]
+        return out
+
+    def take_prompt_logprobs(self) -> dict[int, list[TokenLogprob]]:
+        """Prompt-token scores computed since the last call, by sequence."""
+        scores, self._prompt_scores = self._prompt_scores, {}
+        return scores

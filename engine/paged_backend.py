@@ -122,12 +122,25 @@ class PagedKV:
         return torch.cat(out)
 
     def logit_rows(self) -> torch.Tensor | None:
-        last = [s.offset + s.rows - 1 for s in self.segments if s.wants_logits]
-        return torch.tensor(last, dtype=torch.long, device=self.device)
+        """The last row of each segment that wants logits, and every row of a prefill
+        chunk that scores its prompt (see ``logit_segments``)."""
+        rows: list[int] = []
+        for s in self.segments:
+            if s.seq.scores_prompt:
+                rows.extend(range(s.offset, s.offset + s.rows))
+            elif s.wants_logits:
+                rows.append(s.offset + s.rows - 1)
+        return torch.tensor(rows, dtype=torch.long, device=self.device)
 
-    def logit_seq_ids(self) -> list[int]:
-        """The sequences of ``logit_rows``, in order."""
-        return [s.seq.seq_id for s in self.segments if s.wants_logits]
+    def logit_segments(self) -> list[tuple[Segment, int, int]]:
+        """(segment, first, count) of ``logit_rows``' output, segment by segment."""
+        out, first = [], 0
+        for s in self.segments:
+            count = s.rows if s.seq.scores_prompt else int(s.wants_logits)
+            if count:
+                out.append((s, first, count))
+                first += count
+        return out
 
     # ------------------------------------------------------------ SWA
     def store_swa(self, layer_id: int, kv: torch.Tensor) -> None:

@@ -18,6 +18,8 @@ from engine.model.dense_backend import GlobalKV, KVPrecision
 from engine.model.model import DeepseekV41
 from engine.model.reference import forward
 from engine.model.replay import ReplayPlan
+from engine.prompt_scores import score_rows
+from engine.request import TokenLogprob
 from engine.sequence import Sequence
 from engine.step import StepBatch
 from kernels.kv_formats import (
@@ -50,6 +52,7 @@ class ReferenceRunner:
         self.sources = {s.layer_id: s.compress_ratio for s in kv.layout.sources}
         # seq_id -> tokens whose complete groups are in the pages (this admission).
         self._written: dict[int, int] = {}
+        self._prompt_scores: dict[int, list[TokenLogprob]] = {}
 
     def execute(self, batch: StepBatch) -> dict[int, torch.Tensor]:
         out: dict[int, torch.Tensor] = {}
@@ -85,7 +88,18 @@ class ReferenceRunner:
             if last > first:
                 self._write(seq, layer, first, result.global_kv, last)
         self._written[seq.seq_id] = n
+        if seq.scores_prompt:  # an every-row plan: row p predicts token p + 1
+            assert seq.prompt_logprobs is not None
+            targets = list(seq.token_ids[1 : seq.num_prompt_tokens])
+            self._prompt_scores[seq.seq_id] = score_rows(
+                result.logits, targets, seq.prompt_logprobs
+            )
         return result.logits[-1].float() if result.logits.shape[0] else None
+
+    def take_prompt_logprobs(self) -> dict[int, list[TokenLogprob]]:
+        """Prompt-token scores computed since the last call, by sequence."""
+        scores, self._prompt_scores = self._prompt_scores, {}
+        return scores
 
     def _slots(self, seq: Sequence, pages: SourcePages, first: int, last: int):
         entries = torch.arange(first, last)

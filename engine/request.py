@@ -45,6 +45,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+    rank: int | None = None  # 1 = the most likely token; set for prompt scores
 
 
 @dataclass(slots=True)
@@ -109,6 +110,10 @@ class RequestOutput:
     finished: bool
     usage: Usage
     metrics: RequestMetrics
+    # With ``prompt_logprobs``: the logprob of prompt tokens 1 .. L-1 under the model's
+    # raw distribution (entry i scores token i + 1), in the first output after the
+    # prefill; None otherwise.
+    prompt_logprobs: list[TokenLogprob] | None = None
     # A finished prefill-only request: the hash chain of its prompt's full pages,
     # queued for the SSD tier (``AsyncEngine.prefill`` waits for them).
     published_pages: list[bytes] | None = None

@@ -64,6 +64,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # on prompt and output tokens; 1 = off
     seed: int | None = None
     logprobs: int | None = None  # None = off; k = also return the top k
+    # Score the prompt (vLLM's prompt_logprobs): None = off; k = each prompt token's
+    # logprob under the model's raw distribution, with the top k. Such a request's
+    # prompt rows all run at full depth (docs/design/semantics.md).
+    prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
     ignore_eos: bool = False
     max_tokens: int = 16
@@ -90,6 +94,11 @@ class SamplingParams:
         _check(
             self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
             "logprobs",
+            f"None or in [0, {MAX_TOP_LOGPROBS}]",
+        )
+        _check(
+            self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS,
+            "prompt_logprobs",
             f"None or in [0, {MAX_TOP_LOGPROBS}]",
         )
         _check(self.max_tokens >= 1, "max_tokens", ">= 1")

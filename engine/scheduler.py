@@ -134,14 +134,17 @@ class Scheduler:
         hit = self.kv.plan_restore(
             seq.seq_id, seq.token_ids, seq.salt, need_logits=not seq.prefill_only
         )
-        plan = ReplayPlan.prefill(
-            self.model_config,
-            seq.num_tokens,
-            self.replay_tokens,
-            stored_tokens=hit.hit_tokens,
-            ced=self.config.enable_ced,
-            need_logits=not seq.prefill_only,
-        )
+        if seq.scores_prompt:
+            plan = ReplayPlan.every_row(self.model_config, hit.hit_tokens)
+        else:
+            plan = ReplayPlan.prefill(
+                self.model_config,
+                seq.num_tokens,
+                self.replay_tokens,
+                stored_tokens=hit.hit_tokens,
+                ced=self.config.enable_ced,
+                need_logits=not seq.prefill_only,
+            )
         # A prefill-only sequence whose every page hit gets a chunk of no rows.
         end = min(seq.num_tokens, plan.encoder_start + self._chunk(budget))
         try:

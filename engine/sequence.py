@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from engine.model.replay import ReplayPlan
+from engine.request import TokenLogprob
 from kvstore.page_hash import Salt
 
 
@@ -75,6 +76,11 @@ class Sequence:
     arrival: float = 0.0
     index: int = 0  # choice index within the request (0 .. n-1)
     prefill_only: bool = False  # encoder path only: no decoder rows, no token
+    # Score the prompt (top k alternatives): every prompt row runs at full depth and
+    # yields logits, until the prompt is scored once (a resume does not score again).
+    prompt_logprobs: int | None = None
+    prompt_scored: bool = False
+    prompt_scores: list[TokenLogprob] = field(default_factory=list)  # tokens 1 .. so far
     status: SequenceStatus = SequenceStatus.WAITING
     block_table: list[int] = field(default_factory=list)
     # Plan of the current admission.
@@ -126,6 +132,11 @@ class Sequence:
         return TokenSlice(self.token_ids, 0, self.num_computed)
 
     @property
+    def scores_prompt(self) -> bool:
+        """This admission's prefill yields the logits of every prompt row."""
+        return self.prompt_logprobs is not None and not self.prompt_scored
+
+    @property
     def in_prefill(self) -> bool:
         """Admitted and still running its prefill chunks."""
         return self.num_computed < self.prefill_end
@@ -158,5 +169,7 @@ class Sequence:
         self.block_table = []
         self.stored_tokens = self.encoder_start = self.decoder_start = 0
         self.layer_starts = ()
+        if not self.prompt_scored:  # the next admission scores the prompt from row 0 again
+            self.prompt_scores = []
         self.prefill_end = self.num_computed = 0
         self.num_preemptions += 1

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 from tokenizers import Tokenizer
 
 from engine.async_engine import AsyncEngine, EngineDeadError
-from engine.request import CompletionOutput, Request, RequestOutput, Usage
+from engine.request import CompletionOutput, Request, RequestOutput, TokenLogprob, Usage
 from server.errors import APIError, invalid_parameter, invalid_request, overloaded, unavailable
 from server.handover import (
     ARRIVAL_HEADER,
@@ -244,6 +244,8 @@ class Generation:
         self._routed = routed or Routed(None, None, None)
         self._queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
         self._usage: dict[int, Usage] = {}
+        # Per engine call: the scores of its prompt tokens 1 .. (prompt_logprobs).
+        self.prompt_scores: dict[int, list[TokenLogprob]] = {}
         self._open = len(calls)
         self._closed = False
         self._tasks = [
@@ -316,6 +318,8 @@ class Generation:
         if isinstance(item, BaseException):
             raise engine_error(item)
         self._usage[k] = item.usage
+        if item.prompt_logprobs is not None:
+            self.prompt_scores[k] = item.prompt_logprobs
         if item.finished:
             self._open -= 1
         first = self._calls[k].first_index

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from tokenizers import Tokenizer
 
 from engine.request import TokenLogprob as EngineLogprob
-from server.protocol import CompletionLogprobs, TokenLogprob, TopLogprob
+from server.protocol import CompletionLogprobs, PromptLogprob, TokenLogprob, TopLogprob
 
 # OpenAI reports a token the model cannot produce (masked, banned) as -9999;
 # JSON has no -inf.
@@ -132,3 +132,21 @@ def extend_prompt_logprobs(
         into.text_offset.append(offset)
         offset += len(text)
     return offset
+
+
+def prompt_logprob_entries(
+    texts: TokenTexts, scores: Sequence[EngineLogprob], k: int
+) -> list[dict[str, PromptLogprob] | None]:
+    """vLLM's ``prompt_logprobs``: None for the first prompt token, then for each one a
+    dict by token id of the token itself and its ``k`` best alternatives."""
+    out: list[dict[str, PromptLogprob] | None] = [None]
+    for s in scores:
+        entry = {
+            str(t): PromptLogprob(logprob=clamp_logprob(v), rank=r + 1, decoded_token=texts.text(t))
+            for r, (t, v) in enumerate(s.top_logprobs[:k])
+        }
+        entry[str(s.token_id)] = PromptLogprob(
+            logprob=clamp_logprob(s.logprob), rank=s.rank, decoded_token=texts.text(s.token_id)
+        )
+        out.append(entry)
+    return out

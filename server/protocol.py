@@ -306,6 +306,8 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    # vLLM's: score every prompt token (with the top k); in the non-streamed response.
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
     @field_validator("messages")
     @classmethod
@@ -386,6 +388,8 @@ class CompletionRequest(_SamplingRequest):
     suffix: str | None = None
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    # vLLM's: score every prompt token (with the top k) under the model's raw distribution.
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     best_of: int | None = None
     max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
 
@@ -564,6 +568,7 @@ class ChatCompletion(BaseModel):
     system_fingerprint: str | None = None
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None  # vLLM's field
 
 
 class DeltaFunction(BaseModel):
@@ -627,11 +632,22 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's entry of ``prompt_logprobs``: one candidate token at one prompt position."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None = None
+    # With ``prompt_logprobs``: per prompt token, None for the first, else the token
+    # and its best alternatives by token id (vLLM's shape).
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class Completion(BaseModel):

@@ -61,6 +61,7 @@ def sampling_params(
     banned: Iterable[int] = (),
     seed_offset: int = 0,
     mask_provider: TokenMaskProvider | None = None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """``n`` choices of ``body``; ``seed_offset`` seeds choice ``k`` of a split request as
     ``seed + k``, which is how the engine seeds sibling choices of one request."""
@@ -75,6 +76,7 @@ def sampling_params(
         repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
         seed=None if body.seed is None else body.seed + seed_offset,
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         logit_bias=logit_bias(body, vocab_size, banned),
         max_tokens=max_tokens,
         stop=body.stop_list,

@@ -30,6 +30,7 @@ from server.generation import (
     routed_of,
     run_to_end,
 )
+from server.logprobs import prompt_logprob_entries
 from server.model_names import default_max_tokens, resolve_model, thinking_enabled
 from server.protocol import (
     ChatChoice,
@@ -38,6 +39,7 @@ from server.protocol import (
     ChatCompletionRequest,
     ChatDelta,
     ChunkChoice,
+    PromptLogprob,
     reasoning_budget,
     resolve_max_tokens,
 )
@@ -123,8 +125,18 @@ async def create_chat_completion(
             for i, p in enumerate(parsers)
         ],
         usage=gen.usage(sum(p.reasoning_tokens for p in parsers)),
+        prompt_logprobs=_prompt_logprobs(ctx, body, gen),
     )
     return Response(completion.model_dump_json(), media_type="application/json")
+
+
+def _prompt_logprobs(
+    ctx: ServingContext, body: ChatCompletionRequest, gen: Generation
+) -> list[dict[str, PromptLogprob] | None] | None:
+    scores = gen.prompt_scores.get(0)
+    if body.prompt_logprobs is None or scores is None:
+        return None
+    return prompt_logprob_entries(ctx.token_texts, scores, body.prompt_logprobs)
 
 
 def plan_chat(ctx: ServingContext, body: ChatCompletionRequest, api_key: str | None) -> ChatPlan:
@@ -183,6 +195,7 @@ def plan_chat(ctx: ServingContext, body: ChatCompletionRequest, api_key: str | N
             banned=banned,
             seed_offset=k,
             mask_provider=mask,
+            prompt_logprobs=body.prompt_logprobs if k == 0 else None,  # one call scores it
         )
         return EngineCall(Request(f"{request_id}-{k}", ids, params, cache_salt=salt), k)
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from fastapi import Request as HttpRequest
 from fastapi.responses import Response
 
-from engine.request import CompletionOutput, Request
+from engine.request import CompletionOutput, Request, TokenLogprob
 from server.auth import tenant_salt
 from server.chat_encoding import encode_completion, encode_fim
 from server.errors import APIError, invalid_request, server_error
@@ -32,7 +32,13 @@ from server.generation import (
     routed_of,
     run_to_end,
 )
-from server.logprobs import extend_completion_logprobs, extend_prompt_logprobs
+from server.logprobs import (
+    MIN_LOGPROB,
+    clamp_logprob,
+    extend_completion_logprobs,
+    extend_prompt_logprobs,
+    prompt_logprob_entries,
+)
 from server.model_names import default_max_tokens, resolve_model
 from server.protocol import (
     Completion,
@@ -41,6 +47,7 @@ from server.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     FinishReason,
+    PromptLogprob,
     resolve_max_tokens,
 )
 from server.protocol import Usage as ApiUsage
@@ -66,6 +73,7 @@ class _Choice:
     logprobs: CompletionLogprobs | None = None
     offset: int = 0
     finish_reason: FinishReason | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 async def create_completion(
@@ -99,6 +107,7 @@ async def create_completion(
             n=body.n,
             logprobs=body.logprobs,
             vocab_size=ctx.engine.vocab_size,
+            prompt_logprobs=_prompt_scoring(body),
         )
         request = Request(f"{request_id}-{i}", prompt.ids, params, cache_salt=salt)
         calls.append(EngineCall(request, first_index=i * body.n, prompt_group=i))
@@ -107,7 +116,7 @@ async def create_completion(
     created = int(time.time())
 
     if body.stream:
-        events = _events(ctx, body, gen, choices, request_id, created, route.name)
+        events = _events(ctx, body, gen, choices, prompts, request_id, created, route.name)
         return EventStreamResponse(events, on_close=gen.close)
     try:
         await run_to_end(
@@ -120,6 +129,8 @@ async def create_completion(
         return Response(status_code=CLIENT_CLOSED)
     finally:
         await gen.close()
+    for i, c in enumerate(choices):
+        _score_prompt(ctx, body, c, prompts[i // body.n], gen.prompt_scores.get(i // body.n))
     completion = Completion(
         id=request_id,
         created=created,
@@ -127,7 +138,11 @@ async def create_completion(
         system_fingerprint=ctx.settings.system_fingerprint,
         choices=[
             CompletionChoice(
-                index=i, text=c.text, logprobs=c.logprobs, finish_reason=c.finish_reason or "stop"
+                index=i,
+                text=c.text,
+                logprobs=c.logprobs,
+                finish_reason=c.finish_reason or "stop",
+                prompt_logprobs=c.prompt_logprobs,
             )
             for i, c in enumerate(choices)
         ],
@@ -175,6 +190,50 @@ def _start_choice(ctx: ServingContext, prompt: _Prompt, body: CompletionRequest)
     return choice
 
 
+def _prompt_scoring(body: CompletionRequest) -> int | None:
+    """How many alternatives each prompt token's score lists; None: the prompt is not
+    scored. ``echo`` with ``logprobs`` scores it as the legacy API does."""
+    if body.prompt_logprobs is not None:
+        return max(body.prompt_logprobs, body.logprobs or 0) if body.echo else body.prompt_logprobs
+    return body.logprobs if body.echo and body.logprobs is not None else None
+
+
+def _score_prompt(
+    ctx: ServingContext,
+    body: CompletionRequest,
+    choice: _Choice,
+    prompt: _Prompt,
+    scores: list[TokenLogprob] | None,
+) -> None:
+    """Fill the echoed prompt's logprob rows and ``prompt_logprobs`` from the engine's
+    scores (entry i scores engine token i + 1)."""
+    if scores is None:
+        return
+    ids = prompt.ids
+    if body.prompt_logprobs is not None:
+        k = body.prompt_logprobs
+        choice.prompt_logprobs = prompt_logprob_entries(ctx.token_texts, scores, k)
+    lp = choice.logprobs
+    if not body.echo or lp is None:
+        return
+    # The echoed tokens are the engine prompt's tail (text prompts add BOS before them).
+    first = len(ids) - len(prompt.echo_ids)
+    if first < 0 or list(ids[first:]) != list(prompt.echo_ids):
+        return  # a FIM prompt: its echo is not a tail of the engine prompt
+    k = body.logprobs or 0
+    for j in range(len(prompt.echo_ids)):
+        position = first + j
+        if position == 0:
+            continue  # the very first token has no context: no logprob, as OpenAI's
+        s = scores[position - 1]
+        lp.token_logprobs[j] = clamp_logprob(s.logprob)
+        top: dict[str, float] = {}
+        for token_id, value in s.top_logprobs[:k]:
+            key = ctx.token_texts.text(token_id)
+            top[key] = max(top.get(key, MIN_LOGPROB), clamp_logprob(value))
+        lp.top_logprobs[j] = top
+
+
 def _apply(
     ctx: ServingContext, choice: _Choice, out: CompletionOutput
 ) -> CompletionLogprobs | None:
@@ -199,6 +258,7 @@ async def _events(
     body: CompletionRequest,
     gen: Generation,
     choices: list[_Choice],
+    prompts: list[_Prompt],
     request_id: str,
     created: int,
     model: str,
@@ -216,7 +276,12 @@ async def _events(
         )
         return event(payload, exclude=exclude)
 
-    if body.echo:  # the prompt is the first text of each choice
+    # The prompt is the first text of each choice; when it is scored, it waits for the
+    # scores (they come with the first tokens, after the prefill).
+    echo_pending = body.echo or body.prompt_logprobs is not None
+    echoed: set[int] = set()
+    if body.echo and _prompt_scoring(body) is None:
+        echo_pending = False
         for i, c in enumerate(choices):
             yield chunk([CompletionChoice(index=i, text=c.text, logprobs=c.logprobs)])
     try:
@@ -226,6 +291,19 @@ async def _events(
                 yield KEEP_ALIVE
                 continue
             for u in updates:
+                k = u.index // body.n
+                if echo_pending and k not in echoed:  # its prompt's scores came with it
+                    echoed.add(k)
+                    for i in range(k * body.n, (k + 1) * body.n):
+                        c = choices[i]
+                        _score_prompt(ctx, body, c, prompts[k], gen.prompt_scores.get(k))
+                        echo = CompletionChoice(
+                            index=i,
+                            text=c.text,
+                            logprobs=c.logprobs,
+                            prompt_logprobs=c.prompt_logprobs,
+                        )
+                        yield chunk([echo])
                 choice = choices[u.index]
                 logprobs = _apply(ctx, choice, u.output)
                 if u.output.text or (logprobs is not None and logprobs.tokens):

@@ -81,6 +81,12 @@ class ReplayPlan:
             starts = [L] * (N + 1)
         return cls(H, tuple(starts))
 
+    @classmethod
+    def every_row(cls, config: ModelConfig, stored_tokens: int = 0) -> ReplayPlan:
+        """Every layer on every row (a request scoring its prompt needs every row's
+        logits); global KV of ``[0, stored_tokens)`` still comes from the store."""
+        return cls(stored_tokens, (0,) * (config.num_hidden_layers + 1))
+
     # ------------------------------------------------------------ views
     @property
     def encoder_start(self) -> int:

@@ -154,6 +154,9 @@ class RecordingRunner:
     def release(self, seq: Sequence) -> None:
         self.inner.release(seq)
 
+    def take_prompt_logprobs(self):
+        return self.inner.take_prompt_logprobs()
+
 
 @dataclass(frozen=True, slots=True)
 class Admission:
