@@ -123,7 +123,8 @@ def extend_completion_logprobs(
 def extend_prompt_logprobs(
     into: CompletionLogprobs, texts: TokenTexts, token_ids: Sequence[int], offset: int
 ) -> int:
-    """Echoed prompt tokens: listed with no logprob (the engine scores only new tokens)."""
+    """Echoed prompt tokens, listed with no logprob yet: ``serving_completions`` fills
+    the values in once the engine has scored the prompt."""
     for token_id in token_ids:
         text = texts.text(token_id)
         into.tokens.append(text)

@@ -4,8 +4,8 @@ Each prompt is one engine request with ``n`` choices; choice ``k`` of prompt
 ``i`` has index ``i * n + k`` (OpenAI's order). A ``suffix`` (or the ``/beta``
 path) makes the prompt fill-in-the-middle: the model writes what goes between
 ``prompt`` and ``suffix``. ``echo`` puts the prompt text before the output;
-its tokens are listed in ``logprobs`` without values (the engine scores only
-the tokens it generates).
+with ``logprobs`` its tokens are scored (the engine runs such a prompt at full
+depth), as is every prompt token with vLLM's ``prompt_logprobs``.
 """
 
 from __future__ import annotations
