@@ -284,16 +284,22 @@ def _gib(n: int | float) -> str:
 
 def format_plan(plan: MemoryPlan) -> list[str]:
     """The plan as lines: a table per device kind, one line per kind of bytes."""
+    sharding = "every weight on it" if plan.devices == 1 else plan.sharding
     lines = [
-        f"memory plan: {plan.devices} device(s) x {_gib(plan.device_memory_bytes)} GiB; "
-        f"{plan.sharding}",
+        f"memory plan: {plan.devices} device(s) x {_gib(plan.device_memory_bytes)} GiB; {sharding}",
         f"  host (one copy per node): {_gib(plan.host_bytes)} GiB",
     ]
     for kind, n in plan.host.items():
         lines.append(f"    {WEIGHT_KIND_LABELS[kind]:<38}{n:>20,} B {_gib(n):>8} GiB")
     for d in plan.device_kinds:
-        ids = f"{d.devices[0]}" if len(d.devices) == 1 else f"{d.devices[0]}-{d.devices[-1]}"
-        lines.append(f"  device {ids} ({len(d.devices)} x, {d.experts} routed experts per layer):")
+        if len(d.devices) == 1:
+            head = f"device {d.devices[0]} ({d.experts} routed experts per layer):"
+        else:
+            head = (
+                f"devices {d.devices[0]}-{d.devices[-1]} (each: {d.experts} routed experts "
+                "per layer):"
+            )
+        lines.append(f"  {head}")
         for kind, n in d.weights.items():
             lines.append(f"    {WEIGHT_KIND_LABELS[kind]:<38}{n:>20,} B {_gib(n):>8} GiB")
         rows = (

@@ -494,15 +494,18 @@ def check_memory_plan(args: argparse.Namespace, path: Path) -> str | None:
     if memory is None or memory <= 0:
         _say(f"memory plan: cannot tell the memory of {device}; give --device-memory-gib")
         return None
-    plan = memory_plan(
-        model,
-        1,
-        memory,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs,
-        page_tokens=args.page_tokens,
-        kv_dtype=args.kv_dtype,
-    )
+    try:
+        plan = memory_plan(
+            model,
+            1,
+            memory,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs,
+            page_tokens=args.page_tokens,
+            kv_dtype=args.kv_dtype,
+        )
+    except ValueError as exc:  # a page size the layout cannot hold, a bad memory figure
+        return str(exc)
     for line in format_plan(plan):
         _say(line)
     refusal = plan.refusal()

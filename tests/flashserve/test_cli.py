@@ -123,7 +123,7 @@ def test_inspect_plan_prints_and_serialises_the_official_plan(
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "memory plan: 8 device(s) x 141.0 GiB" in out
-    assert "device 0-7 (8 x, 48 routed experts per layer)" in out
+    assert "devices 0-7 (each: 48 routed experts per layer)" in out
     for label, n in (
         ("routed experts, MXFP4 E2M1", kind["weights"]["experts_fp4"]),
         ("Engram tables, FP8 E4M3 (host)", data["host"]["engram_fp8"]),

@@ -227,3 +227,5 @@ def test_serve_reserve_shortfall_is_refused(tmp_path: Path) -> None:
         _args("--model", str(path), "--device-memory-gib", "1"), path
     )
     assert message is not None and message.startswith("cpu: weights (0.1 GiB), activation")
+    bad_page = serve_cmd.check_memory_plan(_args("--model", str(path), "--page-tokens", "3"), path)
+    assert bad_page is not None and "not a multiple" in bad_page
