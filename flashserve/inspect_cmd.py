@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
 NAME = "inspect"
-HELP = "print parameter counts, KV bytes and layer roles of a config or checkpoint"
+HELP = (
+    "print parameter counts, KV bytes and layer roles of a config or checkpoint; "
+    "--plan: its memory plan on N devices"
+)
 
 _SUMMARY = (
     "params_total",
@@ -27,6 +31,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "model", help="`tiny`, `official`, a config.json, or a checkpoint directory"
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    plan = parser.add_argument_group("memory plan (engine/memory_plan.py)")
+    plan.add_argument(
+        "--plan",
+        action="store_true",
+        help="print the memory plan instead: weight bytes per device by kind (packed, as "
+        "the release stores them), Engram host bytes, the activation reserve, the global-KV "
+        "pool and its capacity in tokens",
+    )
+    plan.add_argument(
+        "--devices", type=int, default=1, help="devices to plan for (default %(default)s)"
+    )
+    plan.add_argument(
+        "--device-memory-gib",
+        type=float,
+        default=141.0,
+        help="memory of each device in GiB (default %(default)s, an H200)",
+    )
+    plan.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="rows per engine step, sizing the activation reserve (default %(default)s)",
+    )
+    plan.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=64,
+        help="sequences at once, sizing logits and SWA KV (default %(default)s)",
+    )
+    plan.add_argument("--page-tokens", type=int, default=64, help="tokens per KV page")
+    plan.add_argument("--kv-dtype", choices=("fp4", "bf16"), default="fp4")
 
 
 def checkpoint_summary(path: Path) -> dict[str, Any]:
@@ -104,7 +139,34 @@ def _dash(value: int | None) -> str:
     return "-" if value is None else str(value)
 
 
+def plan_report(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
+    """(the JSON object, the printed lines) of ``inspect --plan``."""
+    from engine.memory_plan import GIB, format_plan, memory_plan
+    from engine.model.config import ModelConfig
+
+    plan = memory_plan(
+        ModelConfig.preset(args.model),
+        args.devices,
+        int(args.device_memory_gib * GIB),
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        page_tokens=args.page_tokens,
+        kv_dtype=args.kv_dtype,
+    )
+    return {"model": args.model, **plan.to_dict()}, format_plan(plan)
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.plan:
+        from engine.memory_plan import PlanError
+
+        try:
+            data, lines = plan_report(args)
+        except (PlanError, ValueError) as exc:
+            print(f"flashserve inspect: {exc}", file=sys.stderr)
+            return 2
+        print(json.dumps(data, indent=2) if args.json else "\n".join(lines))
+        return 0
     data = report(args.model)
     print(json.dumps(data, indent=2) if args.json else format_report(data))
     return 0

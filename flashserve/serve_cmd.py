@@ -255,6 +255,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--kv-dtype", choices=("fp4", "bf16"), default="fp4")
     engine.add_argument("--device", default="cpu", help="torch device (default cpu)")
     engine.add_argument(
+        "--device-memory-gib",
+        type=float,
+        default=None,
+        help="memory of the device in GiB for the start-up memory plan (default: the CUDA "
+        "device's total memory; for cpu the host's, less the Engram tables it also holds); "
+        "serve refuses to start when the weights and the reserve do not fit",
+    )
+    engine.add_argument(
         "--dtype",
         choices=("float32", "bfloat16", "float16", "float64"),
         default="float32",
@@ -431,6 +439,10 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    refusal = check_memory_plan(args, path)
+    if refusal:
+        print(f"flashserve serve: {refusal}", file=sys.stderr)
+        return 2
     weights = sum(f.stat().st_size for f in path.glob("*.safetensors"))
     _say(
         f"loading checkpoint {path} ({weights / 2**20:.1f} MiB) on {config.device}, {config.dtype}"
@@ -454,6 +466,58 @@ def run(args: argparse.Namespace) -> int:
         _say("shutting down the engine")
         engine.shutdown(timeout=args.shutdown_timeout)
     return 0
+
+
+def check_memory_plan(args: argparse.Namespace, path: Path) -> str | None:
+    """Print the memory plan of ``path``'s config on ``--device``; why it cannot start, or None.
+
+    One device: serving does not shard yet. The weights are planned packed, as the
+    release stores them (engine/memory_plan.py). On ``cpu`` the host is the device:
+    its physical memory (or ``--device-memory-gib``), less the Engram tables that
+    live in host memory too.
+    """
+    from engine.memory_plan import GIB, format_plan, memory_plan, weight_bytes
+    from engine.model.config import ModelConfig
+
+    try:
+        model = ModelConfig.from_json(path)
+    except (OSError, ValueError) as exc:
+        return f"{path / 'config.json'}: {exc}"
+    device = args.device
+    memory = None if args.device_memory_gib is None else int(args.device_memory_gib * GIB)
+    if memory is None:
+        from engine.memory_plan import detected_memory_bytes
+
+        memory = detected_memory_bytes(device)
+        if memory is not None and device.startswith("cpu"):
+            memory -= sum(weight_bytes(model).host.values())
+    if memory is None or memory <= 0:
+        _say(f"memory plan: cannot tell the memory of {device}; give --device-memory-gib")
+        return None
+    try:
+        plan = memory_plan(
+            model,
+            1,
+            memory,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs,
+            page_tokens=args.page_tokens,
+            kv_dtype=args.kv_dtype,
+        )
+    except ValueError as exc:  # a page size the layout cannot hold, a bad memory figure
+        return str(exc)
+    for line in format_plan(plan):
+        _say(line)
+    refusal = plan.refusal()
+    if refusal:
+        return f"{device}: {refusal}"
+    pool = plan.device_kinds[0].kv_pool_bytes
+    if args.kv_cache_bytes > pool:
+        _say(
+            f"warning: --kv-cache-bytes {args.kv_cache_bytes:,} exceeds the plan's global-KV "
+            f"pool of {pool:,} B on {device}"
+        )
+    return None
 
 
 def _role_problem(args: argparse.Namespace) -> str | None:

@@ -68,6 +68,13 @@ def test_make_tiny_then_inspect_the_directory(
     assert ckpt["skipped"] == {"dspark": 2, "vision": 3}
     file_bytes = (out / "model.safetensors").stat().st_size
     assert 0 < file_bytes - ckpt["bytes"] < 200_000  # the rest is the JSON header
+    # make-tiny writes the release's formats: the memory plan's packed bytes (device
+    # and host) are exactly the bytes of the tensors the text model serves.
+    from engine.checkpoint import iter_checkpoint_tensors, skipped_kind
+
+    served = sum(t.nbytes for t in iter_checkpoint_tensors(out) if skipped_kind(t.name) is None)
+    plan = _inspect_json(capsys, str(out), "--plan")
+    assert plan["device_kinds"][0]["weights_bytes"] + plan["host_bytes"] == served
 
 
 def test_no_command_prints_help(capsys: pytest.CaptureFixture[str]) -> None:
@@ -97,3 +104,46 @@ def test_inspect_official_in_a_subprocess() -> None:
     )
     assert done.returncode == 0, done.stderr
     _check_official(json.loads(done.stdout))
+
+
+def test_inspect_plan_prints_and_serialises_the_official_plan(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from engine.memory_plan import GIB, memory_plan
+    from engine.model.config import ModelConfig
+
+    argv = ["inspect", "official", "--plan", "--devices", "8", "--device-memory-gib", "141"]
+    data = _inspect_json(capsys, *argv[1:])
+    expected = memory_plan(ModelConfig.official(), 8, 141 * GIB).to_dict()
+    assert data == {"model": "official", **json.loads(json.dumps(expected))}
+    assert data["fits"] and data["refusal"] is None
+    (kind,) = data["device_kinds"]
+    assert kind["experts"] == 48 and data["kv_bytes_per_token"] == 890
+
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "memory plan: 8 device(s) x 141.0 GiB" in out
+    assert "devices 0-7 (each: 48 routed experts per layer)" in out
+    for label, n in (
+        ("routed experts, MXFP4 E2M1", kind["weights"]["experts_fp4"]),
+        ("Engram tables, FP8 E4M3 (host)", data["host"]["engram_fp8"]),
+        ("global-KV pool (what is left)", kind["kv_pool_bytes"]),
+        ("global-KV pool capacity", kind["kv_pool_tokens"]),
+    ):
+        (line,) = [line for line in out.splitlines() if line.strip().startswith(label)]
+        assert f"{n:,}" in line, line
+
+
+def test_inspect_plan_on_one_device_says_it_does_not_fit(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["inspect", "official", "--plan", "--device-memory-gib", "141"]) == 0
+    out = capsys.readouterr().out
+    assert "does not fit: weights need 278.1 GiB per device, 141.0 GiB available" in out
+    data = _inspect_json(capsys, "official", "--plan", "--devices", "1")
+    assert data["fits"] is False and data["refusal"].startswith("weights need 278.1 GiB")
+
+
+def test_inspect_plan_rejects_bad_device_counts(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inspect", "tiny", "--plan", "--devices", "0"]) == 2
+    assert "--devices must be >= 1" in capsys.readouterr().err

@@ -163,3 +163,69 @@ def test_role_flags_reach_the_settings() -> None:
     )
     assert (router.prefill_url, router.decode_url) == (["http://p1", "http://p2"], ["http://d"])
     assert (router.prefill_timeout, router.decode_timeout) == (3.0, 9.0)
+
+
+def _config_dir(tmp_path: Path, config) -> Path:
+    import json
+
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "config.json").write_text(json.dumps(config.to_dict()))
+    return tmp_path
+
+
+def test_serve_refuses_weights_that_do_not_fit_before_loading(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The official config on one 141 GiB device: refused from config.json alone (no weights
+    in the directory, so reaching the loader would fail differently)."""
+    from engine.model.config import ModelConfig
+
+    path = _config_dir(tmp_path, ModelConfig.official())
+    argv = ["serve", "--model", str(path), "--device", "cuda", "--device-memory-gib", "141"]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.err.strip() == (
+        "flashserve serve: cuda: weights need 278.1 GiB per device, 141.0 GiB available: "
+        "use more devices"
+    )
+    assert "memory plan: 1 device(s) x 141.0 GiB" in captured.out
+    assert "routed experts, MXFP4 E2M1" in captured.out
+
+
+def test_serve_prints_the_plan_of_a_model_that_fits(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from engine.memory_plan import GIB, weight_bytes
+    from engine.model.config import ModelConfig
+
+    tiny = ModelConfig.tiny()
+    path = _config_dir(tmp_path, tiny)
+    args = _args("--model", str(path), "--device-memory-gib", "4", "--kv-cache-bytes", str(GIB))
+    assert serve_cmd.check_memory_plan(args, path) is None
+    out = capsys.readouterr().out
+    assert "flashserve: memory plan: 1 device(s) x 4.0 GiB" in out
+    assert "warning" not in out
+    # --kv-cache-bytes beyond what the plan leaves: a warning, not a refusal.
+    args = _args("--model", str(path), "--device-memory-gib", "3", "--kv-cache-bytes", str(GIB))
+    assert serve_cmd.check_memory_plan(args, path) is None
+    assert "warning: --kv-cache-bytes 1,073,741,824 exceeds" in capsys.readouterr().out
+    # cpu without --device-memory-gib: the host's memory, less the Engram tables it holds.
+    assert serve_cmd.check_memory_plan(_args("--model", str(path)), path) is None
+    from engine.memory_plan import detected_memory_bytes
+
+    host = detected_memory_bytes("cpu")
+    assert host is not None
+    shown = (host - sum(weight_bytes(tiny).host.values())) / GIB
+    assert f"memory plan: 1 device(s) x {shown:.1f} GiB" in capsys.readouterr().out
+
+
+def test_serve_reserve_shortfall_is_refused(tmp_path: Path) -> None:
+    from engine.model.config import ModelConfig
+
+    path = _config_dir(tmp_path, ModelConfig.tiny())
+    message = serve_cmd.check_memory_plan(
+        _args("--model", str(path), "--device-memory-gib", "1"), path
+    )
+    assert message is not None and message.startswith("cpu: weights (0.1 GiB), activation")
+    bad_page = serve_cmd.check_memory_plan(_args("--model", str(path), "--page-tokens", "3"), path)
+    assert bad_page is not None and "not a multiple" in bad_page

@@ -1,0 +1,350 @@
+"""Memory plan of a V4.1 config on N devices (``inspect --plan``, checked by ``serve``).
+
+Per device: the weight bytes of every kind as the release stores them (packed:
+FP8 E4M3 dense projections, MXFP4 routed experts, fp32 / bf16 small tensors,
+bf16 embedding and head), the activation and scratch reserve, the SWA KV of
+the running sequences, and what is left for the paged global-KV pool with its
+capacity in tokens. The Engram tables are planned in host memory.
+
+Parameter shapes come from ``engine.accounting.param_shapes`` (the model
+built on ``meta``) and each tensor's storage format from
+``engine.checkpoint.weight_format``; nothing here re-derives a shape.
+
+Parallelism is not implemented yet. For N > 1 devices the plan assumes
+expert-parallel sharding: device d holds the routed experts
+``[d*E/N, (d+1)*E/N)`` (the first ``E mod N`` devices one more) and a replica of
+everything else. Devices that hold the same bytes form one "device kind".
+
+The reserve rule (``reserve_bytes``), documented in docs/design/memory-plan.md:
+``RUNTIME_RESERVE_BYTES`` for the CUDA context, allocator slack and GEMM
+workspaces, plus ``ACTIVATION_BUFFERS`` fp32 buffers of one step's rows at the
+mHC width (``max_num_batched_tokens x hc_mult x hidden_size x 4 B``), plus fp32
+logits of ``max_num_seqs`` rows.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from engine.accounting import param_shapes, swa_kv_bytes_per_request
+from engine.checkpoint import QUANT_BLOCK, WeightFormat, weight_format
+from engine.model.config import ModelConfig
+from kvstore.layout import kv_layout
+
+GIB = 1 << 30
+RUNTIME_RESERVE_BYTES = 2 * GIB
+ACTIVATION_BUFFERS = 8  # residual streams, their mix, sublayer input/output, MoE in/out, slack
+
+
+class WeightKind(StrEnum):
+    """One line of the plan's weight table."""
+
+    DENSE_FP8 = "dense_fp8"  # attention, shared expert, indexer q, Engram wkv: E4M3, 1 B/param
+    DENSE_FP8_SCALES = "dense_fp8_scales"  # E8M0, 1 B per 32x32 block
+    EXPERTS_FP4 = "experts_fp4"  # routed experts: E2M1 pairs, 0.5 B/param
+    EXPERTS_FP4_SCALES = "experts_fp4_scales"  # E8M0, 1 B per 32 along K
+    BF16_PROJECTIONS = "bf16_projections"  # router, compressor, indexer keys, Engram gates
+    NORMS_MHC_SINKS_BIASES = "norms_mhc_sinks_biases"  # fp32 (the checkpoint's format)
+    EMBED_HEAD = "embed_head"  # bf16
+
+
+class HostKind(StrEnum):
+    ENGRAM_FP8 = "engram_fp8"  # Engram table rows, E4M3, 1 B/param
+    ENGRAM_SCALES = "engram_scales"  # E8M0, 1 B per 32 along each row
+
+
+WEIGHT_KIND_LABELS: dict[str, str] = {
+    WeightKind.DENSE_FP8: "dense projections, FP8 E4M3",
+    WeightKind.DENSE_FP8_SCALES: "dense scales, E8M0 per 32x32",
+    WeightKind.EXPERTS_FP4: "routed experts, MXFP4 E2M1",
+    WeightKind.EXPERTS_FP4_SCALES: "expert scales, E8M0 per 32",
+    WeightKind.BF16_PROJECTIONS: "router/compressor/indexer, bf16",
+    WeightKind.NORMS_MHC_SINKS_BIASES: "norms, mHC, sinks, biases, fp32",
+    WeightKind.EMBED_HEAD: "embedding and head, bf16",
+    HostKind.ENGRAM_FP8: "Engram tables, FP8 E4M3 (host)",
+    HostKind.ENGRAM_SCALES: "Engram scales, E8M0 per 32 (host)",
+}
+
+_FORMAT_BYTES = {WeightFormat.FP32: 4, WeightFormat.BF16: 2}
+
+
+class PlanError(ValueError):
+    """A plan that cannot be computed (bad device count or memory)."""
+
+
+@dataclass(frozen=True, slots=True)
+class WeightBytes:
+    """Packed bytes of a config's tensors, routed experts kept per expert."""
+
+    replicated: dict[str, int]  # every device holds these
+    per_expert: dict[str, int]  # one routed expert (of every layer), by kind
+    n_experts: int
+    host: dict[str, int]  # Engram tables
+
+
+def weight_bytes(
+    config: ModelConfig, shapes: dict[str, tuple[int, ...]] | None = None
+) -> WeightBytes:
+    """Bytes by kind, as the release stores each tensor (``weight_format``)."""
+    shapes = param_shapes(config) if shapes is None else shapes
+    replicated = dict.fromkeys(WeightKind, 0)
+    experts = {WeightKind.EXPERTS_FP4: 0, WeightKind.EXPERTS_FP4_SCALES: 0}
+    host = dict.fromkeys(HostKind, 0)
+    for name, shape in shapes.items():
+        fmt = weight_format(name)
+        numel = math.prod(shape)
+        if fmt is WeightFormat.MXFP4:
+            experts[WeightKind.EXPERTS_FP4] += numel // 2
+            experts[WeightKind.EXPERTS_FP4_SCALES] += numel // QUANT_BLOCK
+        elif fmt is WeightFormat.FP8_ROWS:
+            host[HostKind.ENGRAM_FP8] += numel
+            host[HostKind.ENGRAM_SCALES] += numel // QUANT_BLOCK
+        elif fmt is WeightFormat.FP8_BLOCK:
+            rows, cols = shape
+            replicated[WeightKind.DENSE_FP8] += numel
+            replicated[WeightKind.DENSE_FP8_SCALES] += math.ceil(rows / QUANT_BLOCK) * math.ceil(
+                cols / QUANT_BLOCK
+            )
+        elif fmt is None:
+            raise PlanError(f"tensor `{name}` has no storage format in engine/checkpoint.py")
+        elif name in ("embed.weight", "head.weight"):
+            replicated[WeightKind.EMBED_HEAD] += numel * _FORMAT_BYTES[fmt]
+        elif fmt is WeightFormat.BF16 and len(shape) == 2:
+            replicated[WeightKind.BF16_PROJECTIONS] += numel * 2
+        else:
+            replicated[WeightKind.NORMS_MHC_SINKS_BIASES] += numel * _FORMAT_BYTES[fmt]
+    replicated.pop(WeightKind.EXPERTS_FP4)
+    replicated.pop(WeightKind.EXPERTS_FP4_SCALES)
+    n = config.n_routed_experts
+    per_expert = {}
+    for kind, total in experts.items():
+        per_expert[kind.value], rest = divmod(total, n)
+        assert rest == 0, "routed experts differ in size"
+    return WeightBytes(
+        replicated={k.value: v for k, v in replicated.items()},
+        per_expert=per_expert,
+        n_experts=n,
+        host={k.value: v for k, v in host.items()},
+    )
+
+
+def reserve_bytes(config: ModelConfig, max_num_batched_tokens: int, max_num_seqs: int) -> int:
+    """Activation and scratch reserve of one device (the rule in the module docstring)."""
+    activations = (
+        ACTIVATION_BUFFERS * max_num_batched_tokens * config.hc_mult * config.hidden_size * 4
+    )
+    logits = max_num_seqs * config.vocab_size * 4
+    return RUNTIME_RESERVE_BYTES + activations + logits
+
+
+@dataclass(frozen=True, slots=True)
+class DevicePlan:
+    """One device kind: ``devices`` hold ``experts`` routed experts each and the same bytes."""
+
+    devices: list[int]
+    experts: int
+    weights: dict[str, int]
+    weights_bytes: int
+    reserve_bytes: int
+    swa_kv_bytes: int
+    kv_pool_bytes: int  # what is left; 0 when nothing is
+    kv_pool_pages: int
+    kv_pool_tokens: int
+    shortfall_bytes: int  # > 0: weights + reserve + SWA exceed the device
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryPlan:
+    devices: int
+    device_memory_bytes: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    page_tokens: int
+    kv_bytes_per_token: float
+    page_bytes: int
+    host: dict[str, int]
+    host_bytes: int
+    device_kinds: list[DevicePlan] = field(default_factory=list)
+    sharding: str = (
+        "expert-parallel (assumed): routed experts split across devices, rest replicated"
+    )
+
+    @property
+    def fits(self) -> bool:
+        return all(d.shortfall_bytes == 0 for d in self.device_kinds)
+
+    @property
+    def kv_pool_tokens_total(self) -> int:
+        return sum(d.kv_pool_tokens * len(d.devices) for d in self.device_kinds)
+
+    def refusal(self) -> str | None:
+        """Why a server cannot start on these devices, naming the shortfall; None if it can."""
+        worst = max(self.device_kinds, key=lambda d: d.weights_bytes)
+        avail = self.device_memory_bytes
+        if worst.weights_bytes > avail:
+            return (
+                f"weights need {_gib(worst.weights_bytes)} GiB per device, {_gib(avail)} GiB "
+                f"available: use more devices"
+            )
+        worst = max(self.device_kinds, key=lambda d: d.shortfall_bytes)
+        if worst.shortfall_bytes > 0:
+            need = worst.weights_bytes + worst.reserve_bytes + worst.swa_kv_bytes
+            return (
+                f"weights ({_gib(worst.weights_bytes)} GiB), activation reserve "
+                f"({_gib(worst.reserve_bytes)} GiB) and SWA KV ({_gib(worst.swa_kv_bytes)} GiB) "
+                f"need {_gib(need)} GiB per device, {_gib(avail)} GiB available: use more "
+                "devices, or lower --max-num-batched-tokens / --max-num-seqs"
+            )
+        return None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["fits"] = self.fits
+        out["kv_pool_tokens_total"] = self.kv_pool_tokens_total
+        out["refusal"] = self.refusal()
+        return out
+
+
+def memory_plan(
+    config: ModelConfig,
+    devices: int,
+    device_memory_bytes: int,
+    *,
+    max_num_batched_tokens: int = 2048,
+    max_num_seqs: int = 64,
+    page_tokens: int = 64,
+    kv_dtype: str = "fp4",
+    shapes: dict[str, tuple[int, ...]] | None = None,
+) -> MemoryPlan:
+    """The plan of ``config`` on ``devices`` devices of ``device_memory_bytes`` each."""
+    if devices < 1:
+        raise PlanError(f"--devices must be >= 1, got {devices}")
+    if device_memory_bytes <= 0:
+        raise PlanError("--device-memory-gib must be > 0")
+    if devices > config.n_routed_experts:
+        raise PlanError(
+            f"{devices} devices but only {config.n_routed_experts} routed experts to split"
+        )
+    wb = weight_bytes(config, shapes)
+    layout = kv_layout(
+        config.kv_source_layer_ids,
+        config.compress_ratios,
+        page_tokens,
+        kv_dtype,  # type: ignore[arg-type]
+    )
+    reserve = reserve_bytes(config, max_num_batched_tokens, max_num_seqs)
+    swa = max_num_seqs * swa_kv_bytes_per_request(config)
+    base, extra = divmod(wb.n_experts, devices)
+    kinds: list[DevicePlan] = []
+    for experts, ids in (
+        (base + 1, list(range(extra))),
+        (base, list(range(extra, devices))),
+    ):
+        if not ids:
+            continue
+        held = {**wb.replicated, **{k: per * experts for k, per in wb.per_expert.items()}}
+        weights = {k.value: held[k.value] for k in WeightKind}
+        total = sum(weights.values())
+        left = device_memory_bytes - total - reserve - swa
+        pages = max(0, left) // layout.page_bytes
+        kinds.append(
+            DevicePlan(
+                devices=ids,
+                experts=experts,
+                weights=weights,
+                weights_bytes=total,
+                reserve_bytes=reserve,
+                swa_kv_bytes=swa,
+                kv_pool_bytes=max(0, left),
+                kv_pool_pages=pages,
+                kv_pool_tokens=pages * layout.page_tokens,
+                shortfall_bytes=max(0, -left),
+            )
+        )
+    return MemoryPlan(
+        devices=devices,
+        device_memory_bytes=device_memory_bytes,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
+        page_tokens=page_tokens,
+        kv_bytes_per_token=layout.bytes_per_token,
+        page_bytes=layout.page_bytes,
+        host=wb.host,
+        host_bytes=sum(wb.host.values()),
+        device_kinds=kinds,
+    )
+
+
+def _gib(n: int | float) -> str:
+    return f"{n / GIB:.1f}"
+
+
+def format_plan(plan: MemoryPlan) -> list[str]:
+    """The plan as lines: a table per device kind, one line per kind of bytes."""
+    sharding = "every weight on it" if plan.devices == 1 else plan.sharding
+    lines = [
+        f"memory plan: {plan.devices} device(s) x {_gib(plan.device_memory_bytes)} GiB; {sharding}",
+        f"  host (one copy per node): {_gib(plan.host_bytes)} GiB",
+    ]
+    for kind, n in plan.host.items():
+        lines.append(f"    {WEIGHT_KIND_LABELS[kind]:<38}{n:>20,} B {_gib(n):>8} GiB")
+    for d in plan.device_kinds:
+        if len(d.devices) == 1:
+            head = f"device {d.devices[0]} ({d.experts} routed experts per layer):"
+        else:
+            head = (
+                f"devices {d.devices[0]}-{d.devices[-1]} (each: {d.experts} routed experts "
+                "per layer):"
+            )
+        lines.append(f"  {head}")
+        for kind, n in d.weights.items():
+            lines.append(f"    {WEIGHT_KIND_LABELS[kind]:<38}{n:>20,} B {_gib(n):>8} GiB")
+        rows = (
+            ("weights, total", d.weights_bytes),
+            (f"activation reserve ({plan.max_num_batched_tokens} rows)", d.reserve_bytes),
+            (f"SWA KV ({plan.max_num_seqs} sequences)", d.swa_kv_bytes),
+            ("global-KV pool (what is left)", d.kv_pool_bytes),
+        )
+        for label, n in rows:
+            lines.append(f"    {label:<38}{n:>20,} B {_gib(n):>8} GiB")
+        lines.append(
+            f"    {'global-KV pool capacity':<38}{d.kv_pool_tokens:>20,} tokens "
+            f"({plan.kv_bytes_per_token:g} B/token, {d.kv_pool_pages:,} pages of "
+            f"{plan.page_tokens})"
+        )
+        if d.shortfall_bytes:
+            lines.append(
+                f"    {'SHORTFALL':<38}{d.shortfall_bytes:>20,} B {_gib(d.shortfall_bytes):>8} GiB"
+            )
+    lines.append(f"  global-KV tokens, all devices: {plan.kv_pool_tokens_total:,}")
+    refusal = plan.refusal()
+    if refusal:
+        lines.append(f"  does not fit: {refusal}")
+    return lines
+
+
+def detected_memory_bytes(device: str) -> int | None:
+    """Total memory of ``device``: a CUDA device's, or the host's for ``cpu``; None if unknown.
+
+    Total, not free: the plan describes the device, and another process's
+    allocations would make it change from run to run.
+    """
+    import torch
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            return None
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        return int(torch.cuda.get_device_properties(index).total_memory)
+    if dev.type == "cpu":
+        try:
+            import os
+
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            return None
+    return None
