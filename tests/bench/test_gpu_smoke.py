@@ -1,0 +1,39 @@
+"""``bench/gpu_smoke.py`` on the CPU: the device side is the CPU again, so every token
+and every logit must agree exactly, and the kernel step says it was skipped."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_gpu_smoke_runs_cpu_against_itself(tmp_path: Path) -> None:
+    out = tmp_path / "smoke.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "bench" / "gpu_smoke.py"),
+            "--device",
+            "cpu",
+            "--steps",
+            "3",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "no CUDA device" in proc.stdout
+    result = json.loads(out.read_text())
+    assert result["kernels"] == {"ran": False}
+    rows = result["engine"]["rows"]
+    assert len(rows) == 3
+    for row in rows:
+        assert row["tokens_equal"] == row["tokens"] == 3
+        assert row["first_step_max_dlogit"] == 0.0
