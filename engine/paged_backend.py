@@ -99,8 +99,7 @@ class PagedKV:
                 kept.append(Segment(seg.seq, first, seg.end, seg.wants_logits))
         relayout(kept)
         self.segments = kept
-        rows = torch.cat(keep).to(self.device) if keep else torch.zeros(0, dtype=torch.long)
-        rows = rows.to(self.device)
+        rows = (torch.cat(keep) if keep else torch.zeros(0, dtype=torch.long)).to(self.device)
         self._pos, self._tables = self._pos[rows], self._tables[rows]
         if self._swa is not None:
             self._swa = (self._swa[0][rows], self._swa[1][rows])
