@@ -12,6 +12,8 @@ maps it with ``MappedEngramTable`` and times, per step, both layers' gathers
 - cold: before each step the mapping's pages are unmapped (MADV_DONTNEED) and
   dropped from the page cache (POSIX_FADV_DONTNEED), so every row is a page
   fault served by the disk;
+- ``*_prefetch``: with ``MappedEngramTable.prefetch`` (MADV_WILLNEED on every
+  page of the step before the gather);
 - ``*_bytes_only``: the host half alone (unique ids, fancy-indexed copy of the
   stored bytes), without the dequantisation that a GPU run does on the device.
 
@@ -164,6 +166,15 @@ def main() -> None:
                 table, rows, args.batch, args.cold_steps, cold=True, full=False, seed=3
             ),
         }
+        table.prefetch = True
+        timings["cold_prefetch"] = time_steps(
+            table, rows, args.batch, args.cold_steps, cold=True, full=True, seed=4
+        )
+        table._weight_rows.sum(dtype=np.uint64)
+        table._scale_rows.sum(dtype=np.uint64)
+        timings["warm_prefetch"] = time_steps(
+            table, rows, args.batch, args.steps, cold=False, full=True, seed=5
+        )
         unique = round(table.rows_read / table.gathers * ENGRAM_LAYERS, 1)
     result = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

@@ -1,6 +1,6 @@
 """An Engram hash table kept in host memory as the checkpoint stores it.
 
-The release's two tables hold 196.6B FP8 values (docs/design/engram-tables.md):
+The release's two tables hold 196.6B FP8 values (docs/design/checkpoints.md):
 no device holds them, and reading them at start-up would cost minutes. A
 ``MappedEngramTable`` maps the table's bytes from its safetensors shard
 (``mmap``, nothing read), and each step gathers only the rows its n-grams hash
@@ -84,11 +84,16 @@ class MappedEngramTable:
 
     ``rows_read`` counts the rows gathered from the mapping (each unique id of a
     step once): the counting reader the tests check against the step's ids.
+    ``prefetch``: before the gather, ask the kernel for every page the step needs
+    (``MADV_WILLNEED``), so a table not in the page cache is read with many
+    requests in flight instead of one fault at a time; it costs a system call per
+    page when the pages are already resident (bench/engram_gather.py measures both).
     """
 
     weight: TensorSpan
     scale: TensorSpan | None
     dtype: torch.dtype = torch.float32
+    prefetch: bool = False
     rows_read: int = 0
     gathers: int = 0
     _maps: list[mmap.mmap] = field(default_factory=list, repr=False)
@@ -130,6 +135,8 @@ class MappedEngramTable:
         index = ids.numpy()
         self.rows_read += len(index)
         self.gathers += 1
+        if self.prefetch:
+            self._will_need(index)
         raw = torch.from_numpy(self._weight_rows[index]).to(device)  # copies just these rows
         if self._scale_rows is None:
             values = raw.view(_STORED[self.weight.dtype][1]).to(torch.float32)
@@ -147,6 +154,14 @@ class MappedEngramTable:
         unique, inverse = torch.unique(flat, sorted=True, return_inverse=True)
         rows = self.gather(unique, device)
         return rows[inverse.to(device)].reshape(*row_ids.shape, self.shape[1])
+
+    def _will_need(self, index: np.ndarray) -> None:
+        spans = [self.weight, *([self.scale] if self.scale else [])]
+        for mapping, span in zip(self._maps, spans, strict=True):
+            row_bytes = span.nbytes // span.shape[0]
+            pages = np.unique((span.start + index * row_bytes) // mmap.PAGESIZE)
+            for page in pages.tolist():
+                mapping.madvise(mmap.MADV_WILLNEED, page * mmap.PAGESIZE, mmap.PAGESIZE)
 
     def evict(self) -> None:
         """Unmap the resident pages and drop them from the page cache (cold-read benchmarks)."""

@@ -83,6 +83,18 @@ def test_rows_equal_the_dequantised_table_and_count_unique_ids(tiny_dir: Path) -
     assert torch.equal(table.rows(ids), whole[ids].to(torch.bfloat16))
     with pytest.raises(IndexError, match="out of range"):
         table.rows(torch.tensor([whole.shape[0]]))
+    assert _smaps_rss_kib(table.mapped_address()) > 0
+    table.evict()
+    assert _smaps_rss_kib(table.mapped_address()) == 0
+
+
+def test_prefetch_reads_the_same_rows(tiny_dir: Path) -> None:
+    file = tiny_dir / SINGLE_FILE
+    plain = MappedEngramTable(tensor_span(file, TABLE), tensor_span(file, SCALE))
+    ahead = MappedEngramTable(tensor_span(file, TABLE), tensor_span(file, SCALE), prefetch=True)
+    ids = torch.randint(0, plain.shape[0], (7, 24), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(ahead.rows(ids), plain.rows(ids))
+    assert ahead.rows_read == plain.rows_read == ids.unique().numel()
 
 
 def test_fp8_table_needs_its_scale(tiny_dir: Path) -> None:
