@@ -17,7 +17,7 @@ from safetensors import safe_open
 
 from engine import checkpoint
 from engine.checkpoint import SINGLE_FILE, load_checkpoint
-from engine.checkpoint_writer import make_tiny
+from engine.checkpoint_writer import make_tiny, save_checkpoint
 from engine.model.engram_table import MappedEngramTable, tensor_span
 from engine.model.model import DeepseekV41
 from kernels.weight_formats import dequantize_fp8_rows
@@ -124,6 +124,8 @@ def test_mapped_load_reads_no_row_and_a_forward_reads_only_its_rows(
     unique = [mapped.engram_rows(IDS, 0, len(IDS), l).unique().numel() for l in layers]
     assert [t.rows_read for t in tables] == unique
     assert all(_smaps_rss_kib(t.mapped_address()) > 0 for t in tables)
+    with pytest.raises(ValueError, match="memory-mapped"):
+        save_checkpoint(mapped, mapped.config, tiny_dir.parent / "resaved")
 
 
 def test_mapped_bfloat16_load_equals_in_memory(tiny_dir: Path) -> None:
@@ -146,3 +148,32 @@ def test_default_maps_only_large_tables(
     assert _tables(twin)[0] is _tables(large)[0]
     with torch.no_grad():
         assert torch.equal(twin.eval()(IDS[:5]), in_memory(IDS[:5]))
+
+
+def test_engine_serves_a_mapped_checkpoint_like_the_in_memory_one(
+    tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The paged runner's path (``build_engine`` as ``serve`` calls it, the default
+    ``engram_mmap``) with mapped tables streams the in-memory load's tokens."""
+    from engine.builder import build_engine
+    from engine.engine_config import EngineConfig
+    from engine.request import Request
+    from engine.sampling_params import SamplingParams
+
+    def stream(threshold: int) -> tuple[list[int], list]:
+        monkeypatch.setattr(checkpoint, "ENGRAM_MMAP_MIN_BYTES", threshold)
+        engine = build_engine(EngineConfig(kv_cache_bytes=8 << 20, max_num_seqs=1), tiny_dir)
+        tables = _tables(engine.runner.model)
+        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        engine.add_request(Request("r", IDS.tolist(), params))
+        tokens: list[int] = []
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                tokens += [t for c in out.outputs for t in c.token_ids]
+        engine.close()
+        return tokens, tables
+
+    mapped, tables = stream(0)
+    in_memory, _ = stream(1 << 62)
+    assert len(mapped) == 4 and mapped == in_memory
+    assert tables and all(t.rows_read > 0 for t in tables)
