@@ -25,7 +25,8 @@ from safetensors import safe_open
 from torch import nn
 
 from engine.model.config import ModelConfig
-from engine.model.engram import build_compressed_vocab
+from engine.model.engram import Engram, build_compressed_vocab, tables_on_meta
+from engine.model.engram_table import MappedEngramTable, tensor_span
 from engine.model.model import DeepseekV41
 from engine.tokenizer import load_tokenizer
 from kernels.weight_formats import (
@@ -40,6 +41,10 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILE = "tokenizer.json"
 SCALE_SUFFIX = ".scale"
+# ``engram_mmap=None`` maps the Engram tables when their stored bytes exceed
+# this: the release's (~197 GB) stay on disk, tiny and demo tables load as
+# parameters (trainable, in ``state_dict``).
+ENGRAM_MMAP_MIN_BYTES = 1 << 30
 QUANT_BLOCK = 32  # every scale in the checkpoint covers 32 elements along K (and 32 rows for FP8)
 
 # Tensors the text server does not serve: skipped with one notice per kind.
@@ -354,22 +359,59 @@ def _keep(tensor: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor
 
 
 def empty_model(
-    config: ModelConfig, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    config: ModelConfig,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    engram_tables_on_meta: bool = False,
 ) -> DeepseekV41:
     """``DeepseekV41`` on ``device`` with uninitialised parameters in ``dtype``.
 
     Each parameter is allocated once and filled by the loader; buffers (RoPE
     frequencies) are computed by the constructor as usual. Parameters the model
     declares in an explicit dtype (mHC coefficients, sinks) keep it. Sets the
-    process-wide default dtype while it builds.
+    process-wide default dtype while it builds. ``engram_tables_on_meta``: the
+    Engram tables get no memory (the loader maps them from the checkpoint).
     """
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with skip_init(), torch.device(device):
+        with ExitStack() as stack:
+            stack.enter_context(skip_init())
+            stack.enter_context(torch.device(device))
+            if engram_tables_on_meta:
+                stack.enter_context(tables_on_meta())
             return DeepseekV41(config)
     finally:
         torch.set_default_dtype(previous)
+
+
+def _engram_table_names(files: dict[str, Path]) -> list[str]:
+    return [n for n in files if weight_format(n) is WeightFormat.FP8_ROWS]
+
+
+def _wants_engram_mmap(files: dict[str, Path], shards: _Shards) -> bool:
+    """The default of ``engram_mmap``: the stored tables exceed ``ENGRAM_MMAP_MIN_BYTES``."""
+    stored = 0
+    for name in _engram_table_names(files):
+        for part in (name, scale_name(name)):
+            if part in files:
+                dtype, shape = shards.header(part)
+                stored += math.prod(shape) * _DTYPE_BYTES.get(dtype, 1)
+    return stored > ENGRAM_MMAP_MIN_BYTES
+
+
+def _map_engram_table(
+    model: DeepseekV41, entry: _Entry, files: dict[str, Path], dtype: torch.dtype
+) -> None:
+    """Attach the memory-mapped table ``entry`` to its Engram module; reads headers only."""
+    module = model.get_submodule(entry.name.removesuffix(".embed.weight"))
+    assert isinstance(module, Engram), entry.name
+    weight = tensor_span(files[entry.name], entry.name)
+    scale = None
+    if entry.quantised is not None:
+        scale = tensor_span(files[scale_name(entry.name)], scale_name(entry.name))
+    module.use_mapped_table(MappedEngramTable(weight, scale, dtype=dtype))
 
 
 def set_engram_vocab(model: DeepseekV41, config: ModelConfig, tokenizer_file: Path) -> None:
@@ -394,15 +436,22 @@ def load_checkpoint(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     encoder_only: bool = False,
+    engram_mmap: bool | None = None,
 ) -> tuple[ModelConfig, DeepseekV41]:
     """Read ``config.json``, the weights and the Engram vocabulary of ``path`` into a model.
 
     ``encoder_only`` (a prefill worker): layers past the CED boundary are neither
-    allocated nor read (``DeepseekV41.drop_decoder_layers``)."""
+    allocated nor read (``DeepseekV41.drop_decoder_layers``).
+    ``engram_mmap``: keep the Engram tables in the checkpoint's files, memory-mapped,
+    and gather each step's rows from there (no byte of a table is read at load, none
+    is in ``state_dict``); None: when they exceed ``ENGRAM_MMAP_MIN_BYTES``."""
     path = Path(path)
     config = ModelConfig.from_json(path / "config.json")
     files = weight_map(path)
-    model = empty_model(config, dtype=dtype, device=device)
+    if engram_mmap is None:
+        with _Shards(files) as shards:
+            engram_mmap = _wants_engram_mmap(files, shards)
+    model = empty_model(config, dtype=dtype, device=device, engram_tables_on_meta=engram_mmap)
     decoder: tuple[str, ...] = ()
     if encoder_only:
         model.drop_decoder_layers()
@@ -421,6 +470,9 @@ def load_checkpoint(
             logger.info("checkpoint %s: %d optional tensors absent, zeros", path, len(absent))
         for entry in entries:
             target = targets[entry.name]
+            if engram_mmap and weight_format(entry.name) is WeightFormat.FP8_ROWS:
+                _map_engram_table(model, entry, files, dtype)
+                continue
             weight = shards.read(entry.name)
             scale = shards.read(scale_name(entry.name)) if entry.quantised else None
             # Dequantise in fp32 on the CPU, round once into the parameter's dtype.

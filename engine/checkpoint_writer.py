@@ -118,6 +118,12 @@ def save_checkpoint(
     ``extra_tensors`` are written as they are, beside the model's: tensors of a
     release that the text model does not hold (DSpark ``mtp.*``, the vision tower).
     """
+    mapped = [n for n, m in model.named_modules() if getattr(m, "table", None) is not None]
+    if mapped:
+        # Their rows are not in state_dict: the checkpoint would lack the tables.
+        raise ValueError(
+            f"{mapped[0]}: Engram table is memory-mapped; load with engram_mmap=False to save"
+        )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "config.json", "w", encoding="utf-8") as f:

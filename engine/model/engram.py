@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import functools
 import hashlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import numpy as np
 import torch
@@ -23,6 +26,7 @@ from tokenizers import Regex, Tokenizer, normalizers
 from torch import nn
 
 from engine.model.config import ModelConfig
+from engine.model.engram_table import MappedEngramTable
 from engine.model.precision import upcast
 
 # ----------------------------------------------------------- compressed vocabulary
@@ -191,11 +195,29 @@ def engram_gate(
     return torch.sigmoid(torch.copysign(magnitude, dot))
 
 
+# While set, Engram modules build their table on ``meta`` (no bytes anywhere):
+# a loader that maps the tables from the checkpoint never fills the parameter.
+_TABLES_ON_META: ContextVar[bool] = ContextVar("engram_tables_on_meta", default=False)
+
+
+@contextmanager
+def tables_on_meta() -> Iterator[None]:
+    """Build ``Engram`` modules whose ``embed`` table is a ``meta`` tensor."""
+    token = _TABLES_ON_META.set(True)
+    try:
+        yield
+    finally:
+        _TABLES_ON_META.reset(token)
+
+
 class Engram(nn.Module):
     """Engram of layer ``layer_id``; parameters under ``layers.L.engram.*``.
 
     ``embed.weight [rows, head_dim]`` is the hash table (FP8 with per-row
-    scales per 32 in the checkpoint: the loader dequantises), ``wkv.weight
+    scales per 32 in the checkpoint): either an in-memory parameter the loader
+    fills with the dequantised rows (training, tiny models), or, after
+    ``use_mapped_table``, no parameter at all and a ``MappedEngramTable`` that
+    gathers each step's rows from the memory-mapped checkpoint. ``wkv.weight
     [(hc + 1) * D, n_orders * n_heads * head_dim]`` makes ``hc`` keys and one
     value, ``q_weight`` / ``k_weight [hc, D]`` weight the gate's dot product.
     """
@@ -210,15 +232,33 @@ class Engram(nn.Module):
         self.dim = config.hidden_size
         self.eps = config.rms_norm_eps
         self.n_columns = len(config.engram_orders) * config.engram_n_heads
-        self.embed = nn.Embedding(config.engram_num_embeddings[index], config.engram_head_dim)
+        meta = "meta" if _TABLES_ON_META.get() else None
+        self.embed: nn.Embedding | None = nn.Embedding(
+            config.engram_num_embeddings[index], config.engram_head_dim, device=meta
+        )
+        self.table: MappedEngramTable | None = None
         self.wkv = nn.Linear(
             self.n_columns * config.engram_head_dim, (self.hc + 1) * self.dim, bias=False
         )
         self.q_weight = nn.Parameter(torch.ones(self.hc, self.dim))
         self.k_weight = nn.Parameter(torch.ones(self.hc, self.dim))
 
+    def use_mapped_table(self, table: MappedEngramTable) -> None:
+        """Look rows up in ``table`` from now on; the ``embed`` parameter is dropped
+        (it leaves ``state_dict``), so no copy of the table lives in the model."""
+        if self.embed is not None and tuple(self.embed.weight.shape) != table.shape:
+            raise ValueError(
+                f"layer {self.layer_id}: table shape {list(table.shape)}, "
+                f"expected {list(self.embed.weight.shape)}"
+            )
+        self.embed = None
+        self.table = table
+
     def lookup(self, row_ids: torch.Tensor) -> torch.Tensor:
         """Table rows ``[T, n_columns, head_dim]`` for ``row_ids [T, n_columns]``."""
+        if self.table is not None:
+            return self.table.rows(row_ids, device=self.q_weight.device)
+        assert self.embed is not None
         return F.embedding(row_ids, self.embed.weight)
 
     def apply_rows(self, R: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
