@@ -116,7 +116,9 @@ def synthetic_config(target_bytes: int) -> ModelConfig:
     per_vocab = (layout_bytes(_base(8, 101_000)) - b0) / 100_000
     experts = max(8, round(EXPERT_SHARE * target_bytes / per_expert))
     vocab = max(1000, round(ENGRAM_SHARE * target_bytes / per_vocab))
-    return _base(experts, vocab)
+    # The fixed part (embed, head, attention) comes on top: scale both down to the target.
+    fit = target_bytes / layout_bytes(_base(experts, vocab))
+    return _base(max(8, round(experts * fit)), max(1000, round(vocab * fit)))
 
 
 def _random(name: str, dtype: torch.dtype, shape: tuple[int, ...], gen: torch.Generator):
@@ -239,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--measure", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--progress", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    torch.set_num_threads(1)  # a shared machine; the load itself runs on one thread too
     if args.measure is not None:
         print(json.dumps(measure(args.measure, args.dtype, args.progress)))
         return 0

@@ -1,12 +1,14 @@
 """Stream checkpoint tensors into a model's parameters, a slice at a time.
 
 ``load_checkpoint`` plans what to read (names, formats, shapes, checked from the
-shard headers); this module does the reading. Host memory during a load stays
-near the largest tensor, not the model:
+shard headers); this module does the reading. Host memory during a load stays near the
+model's own bytes (when it is on the CPU) plus tens of MiB, whatever the
+checkpoint's size:
 
 * shards are memory-mapped by safetensors and read in file order; a mapping is
   closed (and so its resident file pages released) as soon as the shard's last
-  tensor has been placed, or once ``REMAP_BYTES`` have been read through it;
+  tensor has been placed, or once ``REMAP_BYTES`` have been read through it
+  (mid-tensor too: an Engram table is larger than the host's spare memory);
 * each tensor is read in row slices of at most ``CHUNK_ELEMENTS`` logical
   elements, converted to fp32 (dequantised when quantised) and copied into the
   parameter on its device, so the fp32 temporaries of a conversion are a few
@@ -40,7 +42,7 @@ logger = logging.getLogger(__name__)
 CHUNK_ELEMENTS = 1 << 19
 
 # Stored bytes read through one shard mapping before it is unmapped (see _OpenShards).
-REMAP_BYTES = 64 << 20
+REMAP_BYTES = 32 << 20
 
 # Stored tensor -> fp32 logical tensor, for a row slice of the weight and of its scale.
 Convert = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
@@ -98,8 +100,8 @@ class _OpenShards:
 
     A mapping keeps every page read through it resident (and counted in RSS)
     until it is unmapped, so a handle is also closed, and reopened on its next
-    use, once ``REMAP_BYTES`` have been read through it: at most that much plus
-    one tensor of a shard stays mapped.
+    use, once ``REMAP_BYTES`` have been read through it, within a tensor too:
+    at most about that much of a shard stays mapped.
     """
 
     def __init__(self, remaining: Counter[Path]) -> None:
@@ -117,25 +119,54 @@ class _OpenShards:
             self.opened += 1
         return self._open[file]
 
-    def done(self, file: Path, nbytes: int) -> None:
-        """One read of ``file`` (``nbytes`` of it) finished; unmap it when due."""
-        self._remaining[file] -= 1
+    def count(self, file: Path, nbytes: int) -> None:
+        """``nbytes`` more read through ``file``'s mapping."""
         self._mapped[file] += nbytes
-        due = self._remaining[file] == 0 or self._mapped[file] >= REMAP_BYTES
-        if due and file in self._open:
-            self._open.pop(file).__exit__(None, None, None)
-            self._mapped[file] = 0
+
+    def due(self, file: Path | None) -> bool:
+        """``file``'s mapping holds ``REMAP_BYTES`` read pages or more: time to unmap it."""
+        return file is not None and self._mapped[file] >= REMAP_BYTES
+
+    def unmap_full(self) -> None:
+        """Close the handles past ``REMAP_BYTES``. Slices taken from them pin their
+        mapping: drop those first, take them again after."""
+        for file in [f for f in self._open if self._mapped[f] >= REMAP_BYTES]:
+            self._close(file)
+
+    def done(self, file: Path) -> None:
+        """One read of ``file`` finished; unmap it after its last."""
+        self._remaining[file] -= 1
+        if self._remaining[file] == 0 and file in self._open:
+            self._close(file)
+
+    def _close(self, file: Path) -> None:
+        self._open.pop(file).__exit__(None, None, None)
+        self._mapped[file] = 0
 
     def close(self) -> None:
-        for handle in self._open.values():
-            handle.__exit__(None, None, None)
-        self._open.clear()
+        for file in list(self._open):
+            self._close(file)
 
 
 def _row_slices(rows: int, row_elements: int, scale_rows: int) -> list[tuple[int, int]]:
     """[r0, r1) row ranges of at most ``CHUNK_ELEMENTS`` (one aligned group at least)."""
     step = max(scale_rows, CHUNK_ELEMENTS // max(row_elements, 1) // scale_rows * scale_rows)
     return [(r0, min(r0 + step, rows)) for r0 in range(0, rows, step)]
+
+
+def _count(
+    shards: _OpenShards,
+    files: dict[str, Path],
+    read: TensorRead,
+    w: torch.Tensor,
+    s: torch.Tensor | None,
+) -> int:
+    """Account one read of the weight (and scale) slices ``w``, ``s``; their bytes."""
+    shards.count(files[read.name], w.nbytes)
+    if s is None or read.scale is None:
+        return w.nbytes
+    shards.count(files[read.scale], s.nbytes)
+    return w.nbytes + s.nbytes
 
 
 def _fill(read: TensorRead, files: dict[str, Path], shards: _OpenShards) -> int:
@@ -145,9 +176,14 @@ def _fill(read: TensorRead, files: dict[str, Path], shards: _OpenShards) -> int:
         w = shards.handle(files[read.name]).get_tensor(read.name)
         s = shards.handle(files[read.scale]).get_tensor(read.scale) if read.scale else None
         target.copy_(read.convert(w, s))
-        return w.nbytes + (s.nbytes if s is not None else 0)
-    weight = shards.handle(files[read.name]).get_slice(read.name)
-    scale = shards.handle(files[read.scale]).get_slice(read.scale) if read.scale else None
+        return _count(shards, files, read, w, s)
+
+    def slices() -> tuple[Any, Any]:
+        weight = shards.handle(files[read.name]).get_slice(read.name)
+        scale = shards.handle(files[read.scale]).get_slice(read.scale) if read.scale else None
+        return weight, scale
+
+    weight, scale = slices()
     read_bytes = 0
     rows = target.shape[0]
     for r0, r1 in _row_slices(rows, math.prod(target.shape[1:]), read.scale_rows):
@@ -157,8 +193,12 @@ def _fill(read: TensorRead, files: dict[str, Path], shards: _OpenShards) -> int:
             s = scale[r0 // read.scale_rows : math.ceil(r1 / read.scale_rows)]
         # fp32 on the CPU, rounded once into the parameter's dtype on its device.
         target[r0:r1].copy_(read.convert(w, s))
-        read_bytes += w.nbytes + (s.nbytes if s is not None else 0)
+        read_bytes += _count(shards, files, read, w, s)
         del w, s
+        if shards.due(files[read.name]) or shards.due(files.get(read.scale or "")):
+            del weight, scale  # they pin the mappings
+            shards.unmap_full()
+            weight, scale = slices()
     return read_bytes
 
 
@@ -201,9 +241,10 @@ def stream_into(
         with torch.no_grad():
             for read in ordered:
                 done = _fill(read, files, shards)
-                shards.done(files[read.name], done)
+                shards.done(files[read.name])
                 if read.scale:
-                    shards.done(files[read.scale], 0)
+                    shards.done(files[read.scale])
+                shards.unmap_full()
                 stats.bytes_read += done
                 stats.placed[str(read.target.device)] += read.target.nbytes
                 bar.update(done)

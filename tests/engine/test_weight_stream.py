@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -79,40 +80,87 @@ def test_streamed_slices_equal_whole_tensor_dequantisation(
     assert cut > 20  # many tensors were streamed in several slices
 
 
+@dataclass
+class Mappings:
+    """Every safetensors handle the loader opens: its file, the bytes read through it."""
+
+    live: list[int] = field(default_factory=list)
+    most_live: int = 0
+    files: list[str] = field(default_factory=list)
+    read: list[int] = field(default_factory=list)
+    largest_read: int = 0  # one get_tensor or one slice
+
+    def opener(self) -> type:
+        record = self
+
+        class Handle:
+            def __init__(self, file: Path, **kwargs: object) -> None:
+                self._inner = safe_open(file, **kwargs)
+                self._id = len(record.files)
+                record.files.append(str(file))
+                record.read.append(0)
+
+            def __enter__(self) -> Handle:
+                record.live.append(self._id)
+                record.most_live = max(record.most_live, len(record.live))
+                self._inner.__enter__()
+                return self
+
+            def __exit__(self, *exc: object) -> None:
+                record.live.remove(self._id)
+                self._inner.__exit__(*exc)
+
+            def get_tensor(self, name: str) -> torch.Tensor:
+                out = self._inner.get_tensor(name)
+                record.read[self._id] += out.nbytes
+                record.largest_read = max(record.largest_read, out.nbytes)
+                return out
+
+            def get_slice(self, name: str) -> object:
+                inner = self._inner.get_slice(name)
+
+                class Slice:
+                    def __getitem__(self, index: object) -> torch.Tensor:
+                        out = inner[index]
+                        record.read[handle_id] += out.nbytes
+                        record.largest_read = max(record.largest_read, out.nbytes)
+                        return out
+
+                handle_id = self._id
+                return Slice()
+
+        return Handle
+
+
 def test_one_shard_mapped_at_a_time_and_all_unmapped(
     small_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    live: list[str] = []
-    most = 0
-    opened = []
-
-    class Counting:
-        def __init__(self, file: Path, **kwargs: object) -> None:
-            self._inner = safe_open(file, **kwargs)
-            self._file = str(file)
-
-        def __enter__(self):
-            nonlocal most
-            live.append(self._file)
-            opened.append(self._file)
-            most = max(most, len(live))
-            self._inner.__enter__()
-            return self
-
-        def __getattr__(self, name: str) -> object:  # get_slice, get_tensor
-            return getattr(self._inner, name)
-
-        def __exit__(self, *exc: object) -> None:
-            live.remove(self._file)
-            self._inner.__exit__(*exc)
-
-    monkeypatch.setattr(weight_stream, "safe_open", Counting)
+    maps = Mappings()
+    monkeypatch.setattr(weight_stream, "safe_open", maps.opener())
     load_checkpoint(small_dir)
     shards = len(list(small_dir.glob("*.safetensors")))
     assert shards >= 3
-    assert live == [] and most == 1
-    # Shard by shard, each mapped once (no tensor here passes REMAP_BYTES), in order.
-    assert opened == sorted(set(opened)) and len(opened) == shards
+    assert maps.live == [] and maps.most_live == 1
+    # Shard by shard, each mapped once (no shard here reaches REMAP_BYTES), in order.
+    assert maps.files == sorted(set(maps.files)) and len(maps.files) == shards
+    assert sum(maps.read) == _data_bytes(small_dir)
+
+
+def test_a_mapping_is_dropped_after_remap_bytes_even_inside_a_tensor(
+    small_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(weight_stream, "CHUNK_ELEMENTS", 4096)
+    monkeypatch.setattr(weight_stream, "REMAP_BYTES", 1 << 17)
+    maps = Mappings()
+    monkeypatch.setattr(weight_stream, "safe_open", maps.opener())
+    load_checkpoint(small_dir)
+    assert maps.live == [] and maps.most_live == 1
+    # A mapping is dropped once the read that crosses the limit is done; the
+    # Engram table alone (FP8 rows, 4096-element slices) needs many mappings.
+    assert maps.largest_read < 1 << 17
+    assert max(maps.read) < (1 << 17) + maps.largest_read
+    assert len(maps.files) > 3 * len(set(maps.files))
+    assert sum(maps.read) == _data_bytes(small_dir)
 
 
 def test_progress_bar_reaches_every_stored_byte(
