@@ -4,8 +4,9 @@ A checkpoint directory holds ``config.json`` and either ``model.safetensors`` or
 shards listed in ``model.safetensors.index.json``. Tensors carry DeepSeek's own
 names (docs/design/architecture.md §1.10); quantised weights have a ``.scale`` sibling. The
 storage format of every tensor is fixed by ``weight_format`` (the decision table
-in docs/design/checkpoints.md). Tensors are read lazily, one at a time, and
-dequantised on the CPU before they are copied into the model.
+in docs/design/checkpoints.md). Tensors are streamed one at a time, a row slice
+at a time, dequantised on the CPU and copied into the model on its device
+(engine/weight_stream.py).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from engine.model.engram import Engram, build_compressed_vocab, tables_on_meta
 from engine.model.engram_table import MappedEngramTable, tensor_span
 from engine.model.model import DeepseekV41
 from engine.tokenizer import load_tokenizer
+from engine.weight_stream import TensorRead, stream_into
 from kernels.weight_formats import (
     dequantize_fp8_block,
     dequantize_fp8_rows,
@@ -430,6 +432,23 @@ def set_engram_vocab(model: DeepseekV41, config: ModelConfig, tokenizer_file: Pa
     model.set_compressed_vocab(class_of)
 
 
+def _tensor_read(entry: _Entry, target: torch.Tensor, shards: _Shards) -> TensorRead:
+    """How ``stream_into`` fills ``target``: dequantised in fp32, one row slice at a time."""
+    fmt = entry.quantised
+    scale = scale_name(entry.name) if fmt else None
+    nbytes = 0
+    for stored in (entry.name, scale):
+        if stored is not None:
+            dtype, shape = shards.header(stored)
+            nbytes += math.prod(shape) * _DTYPE_BYTES.get(dtype, 1)
+
+    def convert(weight: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+        return dequantize(fmt, weight, scales, torch.float32)
+
+    rows = QUANT_BLOCK if fmt is WeightFormat.FP8_BLOCK else 1
+    return TensorRead(entry.name, target, convert, nbytes, scale, rows)
+
+
 def load_checkpoint(
     path: str | Path,
     *,
@@ -437,11 +456,14 @@ def load_checkpoint(
     device: str | torch.device = "cpu",
     encoder_only: bool = False,
     engram_mmap: bool | None = None,
+    progress: bool | None = None,
 ) -> tuple[ModelConfig, DeepseekV41]:
     """Read ``config.json``, the weights and the Engram vocabulary of ``path`` into a model.
 
     ``encoder_only`` (a prefill worker): layers past the CED boundary are neither
-    allocated nor read (``DeepseekV41.drop_decoder_layers``).
+    allocated nor read (``DeepseekV41.drop_decoder_layers``). Weights stream in
+    slice by slice (engine/weight_stream.py); ``progress``: a bar over the bytes
+    on stderr (None: when stderr is a terminal).
     ``engram_mmap``: keep the Engram tables in the checkpoint's files, memory-mapped,
     and gather each step's rows from there (no byte of a table is read at load, none
     is in ``state_dict``); None: when they exceed ``ENGRAM_MMAP_MIN_BYTES``."""
@@ -468,16 +490,14 @@ def load_checkpoint(
             targets[name].zero_()
         if absent:
             logger.info("checkpoint %s: %d optional tensors absent, zeros", path, len(absent))
+        reads = []
         for entry in entries:
-            target = targets[entry.name]
             if engram_mmap and weight_format(entry.name) is WeightFormat.FP8_ROWS:
                 _map_engram_table(model, entry, files, dtype)
                 continue
-            weight = shards.read(entry.name)
-            scale = shards.read(scale_name(entry.name)) if entry.quantised else None
-            # Dequantise in fp32 on the CPU, round once into the parameter's dtype.
-            value = dequantize(entry.quantised, weight, scale, torch.float32)
-            target.copy_(value.to(target.dtype))
+            reads.append(_tensor_read(entry, targets[entry.name], shards))
+    # After the headers' handles are closed: only the shard being read stays mapped.
+    stream_into(reads, files, progress=progress, label=str(path))
     for kind, count in sorted(skipped.items()):
         logger.info("checkpoint %s: skipped %d %s tensors (not served)", path, count, kind)
     if config.engram_layer_ids:

@@ -10,6 +10,7 @@ directory is ``$FLASHSERVE_CACHE``, else ``$XDG_CACHE_HOME/flashserve``, else
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import sys
@@ -447,7 +448,13 @@ def run(args: argparse.Namespace) -> int:
     _say(
         f"loading checkpoint {path} ({weights / 2**20:.1f} MiB) on {config.device}, {config.dtype}"
     )
-    with _Heartbeat("loading the checkpoint", started):
+    # The loader's one-line summary (bytes per device, s, GB/s) shows without -v; on a
+    # terminal its progress bar (stderr) replaces the heartbeat lines.
+    logging.getLogger("engine.weight_stream").setLevel(logging.INFO)
+    from engine.weight_stream import show_progress
+
+    beat = _Heartbeat("loading the checkpoint", started, enabled=not show_progress(None))
+    with beat:
         # A prefill worker never runs the decoder layers: it does not load them.
         engine = AsyncEngine(config, path, encoder_only=args.role == "prefill")
     fingerprint = "fp_" + checkpoint_fingerprint(path)[:10]
@@ -589,10 +596,13 @@ class _Heartbeat:
     """Says every ``every_s`` seconds that ``what`` is still going (a full checkpoint
     takes minutes to load, and a silent console looks hung)."""
 
-    def __init__(self, what: str, started: float, every_s: float = 15.0) -> None:
+    def __init__(
+        self, what: str, started: float, every_s: float = 15.0, *, enabled: bool = True
+    ) -> None:
         import threading
 
         self._what, self._started, self._every_s = what, started, every_s
+        self._enabled = enabled
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="serve-heartbeat", daemon=True)
 
@@ -601,12 +611,14 @@ class _Heartbeat:
             _say(f"{self._what}... {time.monotonic() - self._started:.0f} s")
 
     def __enter__(self) -> _Heartbeat:
-        self._thread.start()
+        if self._enabled:
+            self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._done.set()
-        self._thread.join()
+        if self._enabled:
+            self._thread.join()
 
 
 def _say(message: str) -> None:

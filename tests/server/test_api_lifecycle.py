@@ -8,6 +8,7 @@ request gone means running 0, waiting 0, no KV page referenced, one more
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import time
@@ -104,6 +105,20 @@ def test_queued_streams_keep_alive_and_a_full_server_answers_429(live_server: Li
     # Places are free again.
     ok = live_server.post("/v1/chat/completions", {**LONG, "max_tokens": 1})
     assert ok.status_code == 200
+
+
+def test_start_up_log_has_the_load_summary_and_no_bar(live_server: LiveServer) -> None:
+    """Without -v the loader's summary still shows; its log is a file, not a terminal:
+    no progress bar (docs/design/checkpoints.md)."""
+    log = live_server.log_path.read_text(errors="replace")
+    summary = re.search(
+        r"INFO engine\.weight_stream: loaded \S+: [\d.]+ GB \((\d+) B\) from 1 shard\(s\) "
+        r"in [\d.]+ s \([\d.]+ GB/s\); placed cpu [\d.]+ GB",
+        log,
+    )
+    assert summary, log[-3000:]
+    assert int(summary[1]) > 0
+    assert "loading weights" not in log
 
 
 def test_health_and_metrics_need_no_key(live_server: LiveServer) -> None:
