@@ -1,0 +1,97 @@
+"""Where a decode step's time goes: ``torch.profiler`` over engine steps (issue 17).
+
+    .venv/bin/python bench/profile_step.py [--batch 1 8 32] [--steps 8] [--top 15]
+
+The tiny model (engine_bench's), one intra-op thread, the paged runner. For each
+batch size: prefill ``batch`` requests of 48 tokens, then profile ``--steps``
+decode steps and print, per step, the number of operator calls and the
+operators with the most self CPU time (their share of the profiled time), and
+the step's wall time. JSON in ``bench/results/profile_step.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.engine_bench import tiny_model  # noqa: E402
+from engine.engine_config import EngineConfig  # noqa: E402
+from engine.llm_engine import LLMEngine  # noqa: E402
+from engine.request import Request  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+
+
+def profile_decode(model, batch: int, steps: int, top: int) -> dict:
+    engine = LLMEngine.build(EngineConfig(max_num_seqs=batch, kv_cache_bytes=256 << 20), model)
+    gen = torch.Generator().manual_seed(4)
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(
+            Request(f"r{i}", torch.randint(3, 120000, (48,), generator=gen).tolist(), params)
+        )
+    while engine.scheduler.waiting or any(
+        s.num_output_tokens == 0 for s in engine.scheduler.running
+    ):
+        engine.step()
+    engine.step()  # one warm decode step
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            engine.step()
+    wall = (time.perf_counter() - t0) / steps
+    events = prof.key_averages()
+    total_self = sum(e.self_cpu_time_total for e in events)
+    calls = sum(e.count for e in events)
+    ranked = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    return {
+        "batch": batch,
+        "step_ms": wall * 1e3,
+        "op_calls_per_step": calls / steps,
+        "top": [
+            {
+                "op": e.key,
+                "calls_per_step": e.count / steps,
+                "self_ms_per_step": e.self_cpu_time_total / steps / 1e3,
+                "share": e.self_cpu_time_total / total_self,
+            }
+            for e in ranked
+        ],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--json", type=Path, default=REPO / "bench" / "results" / "profile_step.json")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    torch.set_grad_enabled(False)
+    model = tiny_model()
+    results = []
+    for batch in args.batch:
+        r = profile_decode(model, batch, args.steps, args.top)
+        results.append(r)
+        print(
+            f"batch {batch}: {r['step_ms']:.1f} ms/step (profiled), "
+            f"{r['op_calls_per_step']:.0f} op calls/step"
+        )
+        for t in r["top"]:
+            share, ms, n = t["share"], t["self_ms_per_step"], t["calls_per_step"]
+            print(f"  {share:6.1%}  {ms:7.2f} ms  {n:7.0f} calls  {t['op']}")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
