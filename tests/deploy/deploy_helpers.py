@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import urllib.request
 from pathlib import Path
 
@@ -19,6 +20,15 @@ ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy/grafana/flashserve.json"
 ALERTS = ROOT / "deploy/prometheus/alerts.yaml"
 ALERTS_TEST = ROOT / "deploy/prometheus/alerts_test.yaml"
+
+# How to render a kustomization: kubectl's built-in kustomize, else kustomize itself;
+# None when neither is installed (scripts/install_tools.sh installs kubectl).
+if shutil.which("kubectl"):
+    RENDER: list[str] | None = ["kubectl", "kustomize"]
+elif shutil.which("kustomize"):
+    RENDER = ["kustomize", "build"]
+else:
+    RENDER = None
 
 # A flashserve metric identifier in PromQL (digits too: "e2e_request_latency").
 METRIC = re.compile(r"flashserve:[A-Za-z0-9_:]+")

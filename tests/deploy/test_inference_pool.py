@@ -10,27 +10,26 @@ from __future__ import annotations
 
 import copy
 import json
-import shutil
 import subprocess
 
 import jsonschema
 import pytest
 import yaml
-from deploy_helpers import ROOT
+from deploy_helpers import RENDER, ROOT
 
 from server.vllm_metrics import GAUGES
 
 POOL_DIR = ROOT / "deploy/inference-pool"
 SCHEMA = json.loads((POOL_DIR / "inferencepool-v1.schema.json").read_text())
 pytestmark = pytest.mark.skipif(
-    shutil.which("kubectl") is None, reason="NOTICE: kubectl not installed; not rendered"
+    RENDER is None, reason="NOTICE: kubectl/kustomize not installed; the pool not rendered"
 )
 
 
 @pytest.fixture(scope="module")
 def rendered() -> dict[str, dict]:
     run = subprocess.run(
-        ["kubectl", "kustomize", str(POOL_DIR)],
+        [*(RENDER or []), str(POOL_DIR)],
         capture_output=True,
         text=True,
         timeout=60,

@@ -9,20 +9,13 @@ render, and skip without it.
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 from urllib.parse import urlsplit
 
 import pytest
 import yaml
-from deploy_helpers import ROOT
+from deploy_helpers import RENDER, ROOT
 
-if shutil.which("kubectl"):
-    RENDER = ["kubectl", "kustomize"]
-elif shutil.which("kustomize"):
-    RENDER = ["kustomize", "build"]
-else:
-    RENDER = None
 pytestmark = pytest.mark.skipif(
     RENDER is None, reason="NOTICE: kubectl/kustomize not installed; overlays not rendered"
 )
