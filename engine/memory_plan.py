@@ -383,6 +383,7 @@ def memory_plan(
     )
     reserve = reserve_bytes(config, max_num_batched_tokens, max_num_seqs)
     swa = max_num_seqs * swa_kv_bytes_per_request(config)
+    groups: tuple[tuple[int, list[int]], ...]
     if topology.expert_parallel:
         base, extra = divmod(wb.n_experts, devices)
         groups = ((base + 1, list(range(extra))), (base, list(range(extra, devices))))

@@ -216,12 +216,12 @@ def plan_report(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
     memory = int(args.device_memory_gib * GIB)
     if args.compare:
         plans = [
-            memory_plan(config, devices, memory, topology=t, **options)  # type: ignore[arg-type]
+            memory_plan(config, devices, memory, topology=t, **options)
             for t in compared_topologies(devices, args.nnodes, config)
         ]
         data = {"model": args.model, "plans": [p.to_dict() for p in plans]}
         return data, format_comparison(plans)
-    plan = memory_plan(config, devices, memory, topology=topology, **options)  # type: ignore[arg-type]
+    plan = memory_plan(config, devices, memory, topology=topology, **options)
     return {"model": args.model, **plan.to_dict()}, format_plan(plan)
 
 
