@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -219,8 +220,15 @@ def plan_report(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
             memory_plan(config, devices, memory, topology=t, **options)
             for t in compared_topologies(devices, args.nnodes, config)
         ]
-        data = {"model": args.model, "plans": [p.to_dict() for p in plans]}
-        return data, format_comparison(plans)
+        from engine.ep_traffic import ep_traffic_of, format_ep_traffic
+
+        data: dict[str, Any] = {"model": args.model, "plans": [p.to_dict() for p in plans]}
+        lines = format_comparison(plans)
+        try:
+            data["ep_traffic"] = asdict(ep_traffic_of(config, devices, args.nnodes))
+        except ValueError:  # experts that do not split evenly: no table on paper
+            return data, lines
+        return data, [*lines, "", *format_ep_traffic(config, [(devices, args.nnodes)])]
     plan = memory_plan(config, devices, memory, topology=topology, **options)
     return {"model": args.model, **plan.to_dict()}, format_plan(plan)
 

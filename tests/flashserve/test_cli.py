@@ -180,6 +180,7 @@ def test_inspect_plan_compare_prints_dp_and_tp_side_by_side(
     names = [p["topology"]["name"] for p in data["plans"]]
     assert names == ["DP16 x EP16", "TP8 x DP2 x EP16"]
     dp, tp = data["plans"]
+    assert data["ep_traffic"]["remote_copies"] == 6 * 15 / 16  # engine/ep_traffic.py
     assert main(["inspect", *argv, "--compare"]) == 0
     lines = capsys.readouterr().out.splitlines()
     (header,) = [line for line in lines if "DP16 x EP16" in line]
@@ -188,3 +189,4 @@ def test_inspect_plan_compare_prints_dp_and_tp_side_by_side(
     assert node.split()[-2:] == [f"{p['kv_tokens_per_node'][0]:,}" for p in (dp, tp)]
     (total,) = [line for line in lines if line.strip().startswith("global-KV tokens, all nodes")]
     assert total.split()[-2:] == [f"{p['kv_pool_tokens_total']:,}" for p in (dp, tp)]
+    assert any(line.split()[:2] == ["16", "2"] and "29,700" in line for line in lines)
