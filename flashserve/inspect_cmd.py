@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "pool and its capacity in tokens",
     )
     plan.add_argument(
-        "--devices", type=int, default=1, help="devices to plan for (default %(default)s)"
+        "--devices",
+        type=int,
+        default=None,
+        help="devices to plan for, all nodes together (default: tensor x data parallel "
+        "size, else 1); given alone, N > 1 plans --data-parallel-size N with "
+        "--enable-expert-parallel",
+    )
+    plan.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=None,
+        help="T: query heads, wo_a/wo_b groups and the shared expert split T ways, the "
+        "latent KV replicated on each of the T ranks (default 1)",
+    )
+    plan.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=None,
+        help="D: groups of T ranks, each serving its own sequences with its own KV pool "
+        "(default: devices / T)",
+    )
+    plan.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="split the routed experts over all T x D ranks (E / world each); without it "
+        "every rank holds all of them",
+    )
+    plan.add_argument(
+        "--nnodes", type=int, default=1, help="nodes the devices are spread over (default 1)"
+    )
+    plan.add_argument(
+        "--compare",
+        action="store_true",
+        help="print DP x EP and TP x EP side by side for --devices over --nnodes",
     )
     plan.add_argument(
         "--device-memory-gib",
@@ -139,20 +173,63 @@ def _dash(value: int | None) -> str:
     return "-" if value is None else str(value)
 
 
+def plan_topology(args: argparse.Namespace) -> tuple[int, Any]:
+    """(devices, ``Topology`` or None) from the plan flags; None: ``memory_plan``'s default."""
+    from engine.memory_plan import PlanError, Topology
+
+    given = (
+        args.tensor_parallel_size is not None
+        or args.data_parallel_size is not None
+        or args.enable_expert_parallel
+        or args.nnodes != 1
+    )
+    if not given:
+        return (1 if args.devices is None else args.devices), None
+    tp = 1 if args.tensor_parallel_size is None else args.tensor_parallel_size
+    if tp < 1:
+        raise PlanError(f"--tensor-parallel-size must be >= 1, got {tp}")
+    dp = args.data_parallel_size
+    if dp is None:
+        dp = 1 if args.devices is None else max(1, args.devices // tp)
+    devices = tp * dp if args.devices is None else args.devices
+    return devices, Topology(tp, dp, args.enable_expert_parallel, args.nnodes)
+
+
 def plan_report(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
     """(the JSON object, the printed lines) of ``inspect --plan``."""
-    from engine.memory_plan import GIB, format_plan, memory_plan
+    from engine.memory_plan import (
+        GIB,
+        compared_topologies,
+        format_comparison,
+        format_plan,
+        memory_plan,
+    )
     from engine.model.config import ModelConfig
 
-    plan = memory_plan(
-        ModelConfig.preset(args.model),
-        args.devices,
-        int(args.device_memory_gib * GIB),
+    config = ModelConfig.preset(args.model)
+    devices, topology = plan_topology(args)
+    options = dict(
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         page_tokens=args.page_tokens,
         kv_dtype=args.kv_dtype,
     )
+    memory = int(args.device_memory_gib * GIB)
+    if args.compare:
+        plans = [
+            memory_plan(config, devices, memory, topology=t, **options)
+            for t in compared_topologies(devices, args.nnodes, config)
+        ]
+        from engine.ep_traffic import ep_traffic_of, format_ep_traffic
+
+        data: dict[str, Any] = {"model": args.model, "plans": [p.to_dict() for p in plans]}
+        lines = format_comparison(plans)
+        try:
+            data["ep_traffic"] = asdict(ep_traffic_of(config, devices, args.nnodes))
+        except ValueError:  # experts that do not split evenly: no table on paper
+            return data, lines
+        return data, [*lines, "", *format_ep_traffic(config, [(devices, args.nnodes)])]
+    plan = memory_plan(config, devices, memory, topology=topology, **options)
     return {"model": args.model, **plan.to_dict()}, format_plan(plan)
 
 

@@ -46,29 +46,25 @@ elif command -v kustomize >/dev/null 2>&1; then
 else
     render=()
 fi
+# Custom resources (InferencePool, LeaderWorkerSet) against the schemas beside their
+# kustomizations, their embedded pod templates and claims through kubernetes-validate
+# with the built-in kinds (scripts/validate_crds.py).
+schemas=(deploy/inference-pool/*.schema.json deploy/overlays/*/*.schema.json)
+crds() { "$BIN/python" scripts/validate_crds.py "$1" "$2" "${schemas[@]}" "${@:3}"; }
 if [ "${#render[@]}" -gt 0 ]; then
     for overlay in deploy/overlays/*/; do
         name=$(basename "$overlay")
-        step "${render[*]} deploy/overlays/$name | kubernetes-validate --strict"
+        step "${render[*]} deploy/overlays/$name | CRD schemas + kubernetes-validate --strict"
         "${render[@]}" "$overlay" >"$tmp/$name.yaml"
-        validate "$tmp/$name.yaml"
+        # An overlay with a schema beside it must render that kind.
+        crds "$tmp/$name.yaml" "$tmp/$name-builtin.yaml" --expect-schemas-in "$overlay"
+        validate "$tmp/$name-builtin.yaml"
     done
     # The InferencePool example: built-in kinds by kubernetes-validate, the CRD kind
     # against the schema beside it (kubernetes-validate has none for it).
     step "${render[*]} deploy/inference-pool | kubernetes-validate --strict + CRD schema"
     "${render[@]}" deploy/inference-pool >"$tmp/inference-pool.yaml"
-    "$BIN/python" - "$tmp/inference-pool.yaml" deploy/inference-pool/inferencepool-v1.schema.json \
-        "$tmp/inference-pool-builtin.yaml" <<'PY'
-import json, sys
-import jsonschema, yaml
-docs = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d]
-schema = json.load(open(sys.argv[2]))
-pools = [d for d in docs if d["kind"] == "InferencePool"]
-assert pools, "no InferencePool rendered"
-for pool in pools:
-    jsonschema.validate(pool, schema)
-yaml.safe_dump_all([d for d in docs if d["kind"] != "InferencePool"], open(sys.argv[3], "w"))
-PY
+    crds "$tmp/inference-pool.yaml" "$tmp/inference-pool-builtin.yaml" --expect InferencePool
     validate "$tmp/inference-pool-builtin.yaml"
 else
     echo "NOTICE: neither kubectl nor kustomize is installed: the overlays are NOT" \

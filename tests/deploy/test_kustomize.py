@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(
 
 OVERLAYS = sorted(p.name for p in (ROOT / "deploy/overlays").iterdir() if p.is_dir())
 KV_DIR = "/var/lib/flashserve/kv"  # the image's VOLUME
-WORKLOAD_KINDS = ("StatefulSet", "Deployment")
+WORKLOAD_KINDS = ("StatefulSet", "Deployment", "LeaderWorkerSet")
 
 
 def render(overlay: str) -> dict[str, dict]:
@@ -43,10 +43,30 @@ def rendered(request: pytest.FixtureRequest) -> tuple[str, dict[str, dict]]:
     return request.param, render(request.param)
 
 
-def container_of(workload: dict) -> dict:
-    (container,) = [
-        c for c in workload["spec"]["template"]["spec"]["containers"] if c["name"] == "flashserve"
-    ]
+def templates(workload: dict) -> dict[str, dict]:
+    """The workload's pod templates: a LeaderWorkerSet's leader and worker, else its one."""
+    if workload["kind"] == "LeaderWorkerSet":
+        group = workload["spec"]["leaderWorkerTemplate"]
+        return {"leader": group["leaderTemplate"], "worker": group["workerTemplate"]}
+    return {"": workload["spec"]["template"]}
+
+
+def serving_template(workload: dict) -> dict:
+    """The pod template that serves HTTP (a LeaderWorkerSet's leader)."""
+    pods = templates(workload)
+    return pods.get("leader", pods.get(""))  # type: ignore[return-value]
+
+
+def claim_templates(workload: dict) -> list[dict] | None:
+    spec = workload["spec"]
+    if workload["kind"] == "LeaderWorkerSet":
+        return spec["leaderWorkerTemplate"].get("volumeClaimTemplates")
+    return spec.get("volumeClaimTemplates")
+
+
+def container_of(workload: dict, template: dict | None = None) -> dict:
+    pod = serving_template(workload) if template is None else template
+    (container,) = [c for c in pod["spec"]["containers"] if c["name"] == "flashserve"]
     return container
 
 
@@ -77,7 +97,7 @@ def role(resources: dict[str, dict], workload: dict) -> str:
 
 
 def pod_labels(workload: dict) -> dict[str, str]:
-    return workload["spec"]["template"]["metadata"]["labels"]
+    return serving_template(workload)["metadata"]["labels"]
 
 
 def selected(resources: dict[str, dict], service: dict) -> list[str]:
@@ -87,7 +107,7 @@ def selected(resources: dict[str, dict], service: dict) -> list[str]:
 
 
 def test_overlays_exist() -> None:
-    assert OVERLAYS == ["cpu-demo", "gpu", "split"]
+    assert OVERLAYS == ["cpu-demo", "gpu", "gpu-dp-ep", "multinode-lws", "split"]
 
 
 def test_probes_ports_and_scrape_annotations_agree(rendered) -> None:
@@ -96,7 +116,8 @@ def test_probes_ports_and_scrape_annotations_agree(rendered) -> None:
     for key, workload in workloads(resources).items():
         container = container_of(workload)
         port = int(config(resources, workload)["FLASHSERVE_PORT"])
-        (http,) = container["ports"]
+        # One HTTP port (a multi-node leader also opens torch.distributed's, "dist").
+        (http,) = [p for p in container["ports"] if p["name"] != "dist"]
         assert (http["name"], http["containerPort"]) == ("http", port), key
         for probe in ("startupProbe", "readinessProbe"):
             assert container[probe]["httpGet"] == {"path": "/health", "port": "http"}, key
@@ -106,11 +127,13 @@ def test_probes_ports_and_scrape_annotations_agree(rendered) -> None:
             {"httpGet": {"path": "/health", "port": "http"}},
             {"tcpSocket": {"port": "http"}},
         ), key
-        notes = workload["spec"]["template"]["metadata"]["annotations"]
+        notes = serving_template(workload)["metadata"]["annotations"]
         assert notes["prometheus.io/scrape"] == "true"
         assert notes["prometheus.io/port"] == str(port)
         assert notes["prometheus.io/path"] == "/metrics"
-        assert workload["spec"]["selector"]["matchLabels"].items() <= pod_labels(workload).items()
+        if "selector" in workload["spec"]:  # a LeaderWorkerSet selects its pods itself
+            selector = workload["spec"]["selector"]["matchLabels"]
+            assert selector.items() <= pod_labels(workload).items()
         if workload["kind"] == "StatefulSet":
             headless = resources[f"Service/{workload['spec']['serviceName']}"]
             assert headless["spec"]["clusterIP"] == "None"
@@ -134,9 +157,12 @@ def test_ssd_tier_is_a_persistent_volume_at_the_kv_dir(rendered) -> None:
         if role(resources, workload) == "router":
             continue  # no kv dir (test_split_router_has_no_gpu_model_or_volume)
         kv_dir = config(resources, workload)["FLASHSERVE_KV_DIR"]
-        mounts = {m["name"]: m["mountPath"] for m in container_of(workload)["volumeMounts"]}
-        assert mounts["kv"] == kv_dir == KV_DIR, key
-        claims = workload["spec"].get("volumeClaimTemplates")
+        for pod in templates(workload).values():
+            mounts = {
+                m["name"]: m["mountPath"] for m in container_of(workload, pod)["volumeMounts"]
+            }
+            assert mounts["kv"] == kv_dir == KV_DIR, key
+        claims = claim_templates(workload)
         if claims:  # a colocated server: a volume of its own
             (claim,) = claims
             assert claim["metadata"]["name"] == "kv"
@@ -153,14 +179,15 @@ def test_runs_as_the_image_user_with_a_read_only_root(rendered) -> None:
     assert "USER 10001:10001" in dockerfile
     assert "XDG_CACHE_HOME=/var/lib/flashserve/.cache" in dockerfile
     for key, workload in workloads(resources).items():
-        pod, container = workload["spec"]["template"]["spec"], container_of(workload)
-        ctx = pod["securityContext"]
-        assert ctx["runAsNonRoot"] is True, key
-        assert (ctx["runAsUser"], ctx["runAsGroup"], ctx["fsGroup"]) == (10001, 10001, 10001)
-        assert container["securityContext"]["readOnlyRootFilesystem"] is True, key
-        mounts = {m["mountPath"] for m in container["volumeMounts"]}
-        # The writable places under the read-only root (Triton cache via XDG, /tmp).
-        assert {"/var/lib/flashserve/.cache", "/tmp"} <= mounts, key
+        for template in templates(workload).values():
+            pod, container = template["spec"], container_of(workload, template)
+            ctx = pod["securityContext"]
+            assert ctx["runAsNonRoot"] is True, key
+            assert (ctx["runAsUser"], ctx["runAsGroup"], ctx["fsGroup"]) == (10001, 10001, 10001)
+            assert container["securityContext"]["readOnlyRootFilesystem"] is True, key
+            mounts = {m["mountPath"] for m in container["volumeMounts"]}
+            # The writable places under the read-only root (Triton cache via XDG, /tmp).
+            assert {"/var/lib/flashserve/.cache", "/tmp"} <= mounts, key
 
 
 def test_cpu_demo_needs_no_gpu_and_serves_tiny() -> None:
@@ -299,3 +326,97 @@ def test_split_replicas_name_rendered_workloads() -> None:
     for entry in kustomization["replicas"]:
         assert names[entry["name"]]["spec"]["replicas"] == entry["count"], entry
     assert {e["name"] for e in kustomization["replicas"]} == set(names)
+
+
+# ------------------------------------------------------- parallel serving
+
+
+def flag(args: list[str], name: str) -> str:
+    """The value after ``name`` in a serve command line (the last one wins, as argparse)."""
+    (i,) = [i for i, a in enumerate(args) if a == name][-1:]
+    return args[i + 1]
+
+
+def test_gpu_dp_ep_is_the_gpu_pod_serving_dp8_with_expert_parallelism() -> None:
+    gpu, dp_ep = render("gpu"), render("gpu-dp-ep")
+    _, gpu_pod, gpu_container = server(gpu)
+    _, pod, container = server(dp_ep)
+    args = container["args"]
+    assert args[:2] == ["--device", "cuda"] and "--enable-expert-parallel" in args
+    gpus = container["resources"]["limits"]["nvidia.com/gpu"]
+    assert flag(args, "--data-parallel-size") == gpus == "8"  # one DP rank per GPU
+    assert "--tensor-parallel-size" not in args
+    # Everything but the serve flags is the gpu overlay's pod: GPUs, /dev/shm, weights.
+    assert {k: v for k, v in container.items() if k != "args"} == {
+        k: v for k, v in gpu_container.items() if k != "args"
+    }
+    assert {k: v for k, v in pod.items() if k != "containers"} == {
+        k: v for k, v in gpu_pod.items() if k != "containers"
+    }
+    assert config(dp_ep) == config(gpu)
+
+
+@pytest.fixture(scope="module")
+def multinode() -> dict[str, dict]:
+    return render("multinode-lws")
+
+
+def test_multinode_is_a_leader_worker_set_of_two_8_gpu_nodes(multinode) -> None:
+    (lws,) = [r for r in multinode.values() if r["kind"] == "LeaderWorkerSet"]
+    assert lws["apiVersion"] == "leaderworkerset.x-k8s.io/v1"
+    group = lws["spec"]["leaderWorkerTemplate"]
+    size = group["size"]
+    assert size == 2
+    # A dead pod takes the group down: the others' collectives cannot go on without it.
+    assert group["restartPolicy"] == "RecreateGroupOnPodRestart"
+    pods = templates(lws)
+    leader, worker = (container_of(lws, pods[r]) for r in ("leader", "worker"))
+    for c in (leader, worker):
+        args = c["args"]
+        gpus = int(c["resources"]["limits"]["nvidia.com/gpu"])
+        assert gpus == 8 and args[:2] == ["--device", "cuda"]
+        assert flag(args, "--nnodes") == str(size)
+        assert flag(args, "--data-parallel-size") == str(gpus * size)  # DP16 x EP16
+        assert "--enable-expert-parallel" in args
+        assert flag(args, "--master-addr") == "$(LWS_LEADER_ADDRESS)"
+        assert flag(args, "--master-port") == flag(leader["args"], "--master-port")
+    assert flag(leader["args"], "--node-rank") == "0"
+    assert flag(worker["args"], "--node-rank") == "$(LWS_WORKER_INDEX)"
+    (dist,) = [p for p in leader["ports"] if p["name"] == "dist"]
+    assert str(dist["containerPort"]) == flag(leader["args"], "--master-port")
+    # The API, its probes and /metrics are the leader's; a worker serves nothing.
+    assert "ports" not in worker and "readinessProbe" not in worker
+    assert "prometheus.io/scrape" not in pods["worker"]["metadata"].get("annotations", {})
+    (public,) = selected(multinode, multinode["Service/flashserve"])
+    assert public == f"LeaderWorkerSet/{lws['metadata']['name']}"
+    service_selector = multinode["Service/flashserve"]["spec"]["selector"].items()
+    assert not service_selector <= pods["worker"]["metadata"]["labels"].items()
+    # LWS names its own headless Service after the set: it must not take the public name.
+    assert lws["metadata"]["name"] != "flashserve"
+
+
+def test_multinode_pods_are_the_gpu_overlays_pod(multinode) -> None:
+    gpu = render("gpu")
+    sts, gpu_pod, gpu_container = server(gpu)
+    (lws,) = [r for r in multinode.values() if r["kind"] == "LeaderWorkerSet"]
+    for name, template in templates(lws).items():
+        pod, container = template["spec"], container_of(lws, template)
+        assert container["resources"] == gpu_container["resources"], name
+        assert container["securityContext"] == gpu_container["securityContext"], name
+        assert container["image"] == gpu_container["image"], name
+        for key in ("securityContext", "tolerations", "terminationGracePeriodSeconds"):
+            assert pod[key] == gpu_pod[key], (name, key)
+        assert {v["name"]: v for v in pod["volumes"]} == {
+            v["name"]: v for v in gpu_pod["volumes"]
+        }, name
+        mounts = sorted(container["volumeMounts"], key=lambda m: m["mountPath"])
+        assert mounts == sorted(gpu_container["volumeMounts"], key=lambda m: m["mountPath"]), name
+        assert config(multinode, lws)["FLASHSERVE_MODEL"] == config(gpu)["FLASHSERVE_MODEL"]
+    # The leader's probes are the single-node server's.
+    leader = container_of(lws)
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert leader[probe] == gpu_container[probe], probe
+    assert claim_templates(lws) == [
+        {**c, "metadata": {"name": c["metadata"]["name"]}}
+        for c in sts["spec"]["volumeClaimTemplates"]
+    ]

@@ -147,3 +147,46 @@ def test_inspect_plan_on_one_device_says_it_does_not_fit(
 def test_inspect_plan_rejects_bad_device_counts(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["inspect", "tiny", "--plan", "--devices", "0"]) == 2
     assert "--devices must be >= 1" in capsys.readouterr().err
+
+
+def test_inspect_plan_topology_flags_reach_the_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    from engine.memory_plan import GIB, Topology, memory_plan
+    from engine.model.config import ModelConfig
+
+    data = _inspect_json(
+        capsys, "official", "--plan", "--tensor-parallel-size", "8", "--enable-expert-parallel"
+    )
+    expected = memory_plan(ModelConfig.official(), 8, 141 * GIB, topology=Topology(8, 1, True))
+    assert data == {"model": "official", **json.loads(json.dumps(expected.to_dict()))}
+    assert data["topology"]["name"] == "TP8 x EP8" and data["devices"] == 8
+    # --data-parallel-size 8 without --enable-expert-parallel: every rank holds all experts.
+    assert main(["inspect", "official", "--plan", "--data-parallel-size", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "devices 0-7 (each: 384 routed experts per layer)" in out
+    assert "does not fit: weights need 278.1 GiB per device" in out
+    assert "without --enable-expert-parallel every rank holds all 384 routed experts" in out
+    argv = ["inspect", "official", "--plan", "--devices", "8", "--tensor-parallel-size", "2"]
+    assert main([*argv, "--data-parallel-size", "2"]) == 2
+    assert "--devices 8 but --tensor-parallel-size 2 x --data-parallel-size 2 = 4" in (
+        capsys.readouterr().err
+    )
+
+
+def test_inspect_plan_compare_prints_dp_and_tp_side_by_side(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["official", "--plan", "--devices", "16", "--nnodes", "2", "--device-memory-gib", "80"]
+    data = _inspect_json(capsys, *argv, "--compare")
+    names = [p["topology"]["name"] for p in data["plans"]]
+    assert names == ["DP16 x EP16", "TP8 x DP2 x EP16"]
+    dp, tp = data["plans"]
+    assert data["ep_traffic"]["remote_copies"] == 6 * 15 / 16  # engine/ep_traffic.py
+    assert main(["inspect", *argv, "--compare"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    (header,) = [line for line in lines if "DP16 x EP16" in line]
+    assert header.split() == ["DP16", "x", "EP16", "TP8", "x", "DP2", "x", "EP16"]
+    (node,) = [line for line in lines if line.strip().startswith("global-KV tokens per node")]
+    assert node.split()[-2:] == [f"{p['kv_tokens_per_node'][0]:,}" for p in (dp, tp)]
+    (total,) = [line for line in lines if line.strip().startswith("global-KV tokens, all nodes")]
+    assert total.split()[-2:] == [f"{p['kv_pool_tokens_total']:,}" for p in (dp, tp)]
+    assert any(line.split()[:2] == ["16", "2"] and "29,700" in line for line in lines)
