@@ -185,3 +185,31 @@ def test_public_op_dispatches_to_triton(seed, monkeypatch):
     assert calls == ["triton"]
     assert ((got.double() - ref.double()).abs() <= 2 * fp32_bound(x, q, s, offsets)).all()
     assert moe_ops_module.use_triton is dispatch.use_triton
+
+
+@pytest.mark.skipif(INTERPRETED, reason="compiles the real kernel; the child interprets it")
+def test_grouped_gemm_compiles_for_hopper():
+    """Types, layouts, the fp16 ``tl.dot`` and shared memory, checked by ptxas (no GPU needed)."""
+    from test_sparse_attention import _hopper_compile
+
+    from kernels.triton import grouped_mxfp4
+
+    u8, i32, f32 = "*u8", "*i32", "*fp32"
+    pointers = {
+        "a_ptr": u8,
+        "as_ptr": f32,
+        "w_ptr": u8,
+        "ws_ptr": u8,
+        "out_ptr": f32,
+        "tile_expert_ptr": i32,
+        "tile_row0_ptr": i32,
+        "tile_row1_ptr": i32,
+    }
+    compiled = _hopper_compile(
+        grouped_mxfp4._grouped_mxfp4_kernel,
+        pointers,
+        {"BLOCK_M": 16, "BLOCK_N": 64},
+        fp_fusion=False,
+    )
+    assert compiled.asm.get("cubin")
+    assert compiled.metadata.shared <= 227 * 1024
