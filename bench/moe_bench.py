@@ -10,7 +10,8 @@ oracle of tests/engine/model/test_moe.py. Timed, per batch (decode rows):
 - ``fused_packed``: ``MoE`` with the experts' MXFP4 bytes (the served path:
   activations quantised to E4M3, one expert's weight dequantised at a time).
 
-Medians of ``--repeats`` calls after a warm-up, one thread.
+Medians of ``--repeats`` calls after a warm-up, the three variants timed in
+turn call by call (a shared machine's load then weighs on each alike), one thread.
 
     .venv/bin/python bench/moe_bench.py        # writes bench/results/moe_bench.json
 """
@@ -69,15 +70,19 @@ class LoopMoE(nn.Module):
         return y.to(x.dtype)
 
 
-def _median_ms(fn, x: torch.Tensor, repeats: int) -> float:
-    for _ in range(5):
-        fn(x)
-    times = []
+def _medians_ms(modules: dict[str, nn.Module], x: torch.Tensor, repeats: int) -> dict[str, float]:
+    """Median time per call of each module, measured round-robin (call by call, in turn)
+    so that a shared machine's changing load weighs on every variant alike."""
+    for module in modules.values():
+        for _ in range(5):
+            module(x)
+    times: dict[str, list[float]] = {label: [] for label in modules}
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn(x)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+        for label, module in modules.items():
+            start = time.perf_counter()
+            module(x)
+            times[label].append(time.perf_counter() - start)
+    return {label: statistics.median(t) * 1e3 for label, t in times.items()}
 
 
 def run(batches: list[int], repeats: int, seed: int = 0) -> dict:
@@ -97,9 +102,12 @@ def run(batches: list[int], repeats: int, seed: int = 0) -> dict:
             x = torch.randn(
                 batch, config.hidden_size, generator=torch.Generator().manual_seed(batch)
             )
-            row = {"batch": batch}
-            for label, module in (("loop", loop), ("fused", fused), ("fused_packed", packed)):
-                row[f"{label}_ms"] = round(_median_ms(module, x, repeats), 4)
+            row: dict[str, float] = {"batch": batch}
+            medians = _medians_ms(
+                {"loop": loop, "fused": fused, "fused_packed": packed}, x, repeats
+            )
+            for label, ms in medians.items():
+                row[f"{label}_ms"] = round(ms, 4)
             row["fused_vs_loop"] = round(row["loop_ms"] / row["fused_ms"], 3)
             row["packed_vs_loop"] = round(row["loop_ms"] / row["fused_packed_ms"], 3)
             rows.append(row)
