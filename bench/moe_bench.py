@@ -10,6 +10,10 @@ oracle of tests/engine/model/test_moe.py. Timed, per batch (decode rows):
 - ``fused_packed``: ``MoE`` with the experts' MXFP4 bytes (the served path:
   activations quantised to E4M3, one expert's weight dequantised at a time).
 
+Then the whole tiny model (``make_tiny``, in a temporary directory) on
+``--tokens`` tokens: loaded with packed experts (``quantization="auto"``) vs
+dequantised at load (``"none"``); only the routed experts differ.
+
 Medians of ``--repeats`` calls after a warm-up, the three variants timed in
 turn call by call (a shared machine's load then weighs on each alike), one thread.
 
@@ -24,6 +28,7 @@ import json
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -128,14 +133,40 @@ def run(batches: list[int], repeats: int, seed: int = 0) -> dict:
     }
 
 
+def run_model(tokens: list[int], repeats: int) -> list[dict]:
+    """Forward of the tiny checkpoint, packed experts vs dequantised, timed in turn."""
+    from engine.checkpoint import load_checkpoint
+    from engine.checkpoint_writer import make_tiny
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = make_tiny(Path(tmp) / "tiny")
+        models = {
+            "packed": load_checkpoint(path)[1].eval(),
+            "dequantised": load_checkpoint(path, quantization="none")[1].eval(),
+        }
+    rows = []
+    with torch.inference_mode():
+        for n in tokens:
+            ids = torch.randint(0, 120_000, (n,), generator=torch.Generator().manual_seed(n))
+            medians = _medians_ms(models, ids, repeats)
+            row = {"tokens": n, **{f"{k}_ms": round(v, 2) for k, v in medians.items()}}
+            row["packed_over_dequantised"] = round(medians["packed"] / medians["dequantised"], 3)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--repeats", type=int, default=200)
+    parser.add_argument("--tokens", type=int, nargs="*", default=[8, 32])
+    parser.add_argument("--model-repeats", type=int, default=15)
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "moe_bench.json")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     result = run(args.batch, args.repeats)
+    result["model_forward"] = run_model(args.tokens, args.model_repeats)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
