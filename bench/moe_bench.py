@@ -135,6 +135,8 @@ def run(batches: list[int], repeats: int, seed: int = 0) -> dict:
 
 def run_model(tokens: list[int], repeats: int) -> list[dict]:
     """Forward of the tiny checkpoint, packed experts vs dequantised, timed in turn."""
+    if not tokens:
+        return []
     from engine.checkpoint import load_checkpoint
     from engine.checkpoint_writer import make_tiny
 
