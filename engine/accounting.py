@@ -79,7 +79,9 @@ def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 def _cached_shapes(config_json: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
     with skip_init(), torch.device("meta"):
         model = DeepseekV41(ModelConfig.from_dict(json.loads(config_json)))
-    return tuple((name, tuple(p.shape)) for name, p in model.named_parameters())
+    # state_dict, not named_parameters: the checkpoint's names (routed experts
+    # per expert, though the module stores them stacked).
+    return tuple((name, tuple(p.shape)) for name, p in model.state_dict(keep_vars=True).items())
 
 
 def is_engram_table(name: str) -> bool:

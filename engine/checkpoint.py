@@ -29,6 +29,7 @@ from engine.model.config import ModelConfig
 from engine.model.engram import Engram, build_compressed_vocab, tables_on_meta
 from engine.model.engram_table import MappedEngramTable, tensor_span
 from engine.model.model import DeepseekV41
+from engine.model.routed_experts import SCALE, RoutedExperts, packed_experts
 from engine.tokenizer import load_tokenizer
 from engine.weight_stream import TensorRead, stream_into
 from kernels.weight_formats import (
@@ -366,6 +367,7 @@ def empty_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     engram_tables_on_meta: bool = False,
+    quantization: str = "none",
 ) -> DeepseekV41:
     """``DeepseekV41`` on ``device`` with uninitialised parameters in ``dtype``.
 
@@ -374,7 +376,10 @@ def empty_model(
     declares in an explicit dtype (mHC coefficients, sinks) keep it. Sets the
     process-wide default dtype while it builds. ``engram_tables_on_meta``: the
     Engram tables get no memory (the loader maps them from the checkpoint).
+    ``quantization``: ``"auto"`` builds the routed experts packed (MXFP4 bytes,
+    engine/model/routed_experts.py), ``"none"`` unpacked in ``dtype``.
     """
+    check_quantization(quantization)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -383,6 +388,8 @@ def empty_model(
             stack.enter_context(torch.device(device))
             if engram_tables_on_meta:
                 stack.enter_context(tables_on_meta())
+            if quantization == "auto":
+                stack.enter_context(packed_experts())
             return DeepseekV41(config)
     finally:
         torch.set_default_dtype(previous)
@@ -449,6 +456,76 @@ def _tensor_read(entry: _Entry, target: torch.Tensor, shards: _Shards) -> Tensor
     return TensorRead(entry.name, target, convert, nbytes, scale, rows)
 
 
+# ----------------------------------------------------------------- routed experts
+
+QUANTIZATIONS = ("auto", "none")
+
+
+def check_quantization(quantization: str) -> None:
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(
+            f"quantization={quantization!r}: expected one of {', '.join(QUANTIZATIONS)}"
+        )
+
+
+def experts_stored_packed(files: dict[str, Path], shards: _Shards) -> bool:
+    """True when the checkpoint has routed experts and stores every one as MXFP4 bytes."""
+    names = [n for n in files if weight_format(n) is WeightFormat.MXFP4 and not skipped_kind(n)]
+    return bool(names) and all(shards.header(n)[0] not in _FLOAT_DTYPES for n in names)
+
+
+@dataclass(frozen=True, slots=True)
+class _PackedExpert:
+    """Where one packed expert projection's stored bytes go: slices of the stacked buffers."""
+
+    weight: torch.Tensor  # int8 [out, in / 2], a view of the module's stacked buffer
+    scale: torch.Tensor  # uint8 [out, in / 32]
+
+
+def packed_expert_targets(
+    model: nn.Module, targets: dict[str, torch.Tensor]
+) -> dict[str, _PackedExpert]:
+    """Take the packed experts' entries out of ``targets`` (state-dict views).
+
+    Each weight is replaced by a ``meta`` placeholder of its logical shape, so
+    ``_plan`` checks the stored shapes exactly as for a dequantised load; its
+    scale entry leaves ``targets`` (``_plan`` expects it as the weight's sibling).
+    """
+    packed: dict[str, _PackedExpert] = {}
+    for prefix, module in model.named_modules():
+        if not isinstance(module, RoutedExperts) or not module.packed:
+            continue
+        for name, (n_experts, rows, cols) in module.shapes().items():
+            for e in range(n_experts):
+                key = f"{prefix}.{e}.{name}.weight"
+                if key not in targets:  # a layer this load leaves out
+                    continue
+                del targets[scale_name(key)]
+                targets[key] = torch.empty(rows, cols, device="meta")
+                packed[key] = _PackedExpert(
+                    getattr(module, name)[e], getattr(module, name + SCALE)[e]
+                )
+    return packed
+
+
+def _byte_copy(weight: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+    return weight.view(torch.uint8)
+
+
+def _packed_expert_reads(entry: _Entry, target: _PackedExpert, shards: _Shards) -> list[TensorRead]:
+    """Two byte-for-byte reads (the E2M1 pairs, the E8M0 scales): nothing dequantised."""
+    if entry.quantised is not WeightFormat.MXFP4:
+        raise CheckpointError(
+            entry.name, "stored unquantised in a checkpoint loaded with packed experts"
+        )
+    reads = []
+    for stored, dest in ((entry.name, target.weight), (scale_name(entry.name), target.scale)):
+        dtype, shape = shards.header(stored)
+        nbytes = math.prod(shape) * _DTYPE_BYTES.get(dtype, 1)
+        reads.append(TensorRead(stored, dest.view(torch.uint8), _byte_copy, nbytes))
+    return reads
+
+
 def load_checkpoint(
     path: str | Path,
     *,
@@ -457,6 +534,7 @@ def load_checkpoint(
     encoder_only: bool = False,
     engram_mmap: bool | None = None,
     progress: bool | None = None,
+    quantization: str = "auto",
 ) -> tuple[ModelConfig, DeepseekV41]:
     """Read ``config.json``, the weights and the Engram vocabulary of ``path`` into a model.
 
@@ -466,14 +544,27 @@ def load_checkpoint(
     on stderr (None: when stderr is a terminal).
     ``engram_mmap``: keep the Engram tables in the checkpoint's files, memory-mapped,
     and gather each step's rows from there (no byte of a table is read at load, none
-    is in ``state_dict``); None: when they exceed ``ENGRAM_MMAP_MIN_BYTES``."""
+    is in ``state_dict``); None: when they exceed ``ENGRAM_MMAP_MIN_BYTES``.
+    ``quantization``: ``"auto"`` keeps the routed experts packed (their stored
+    MXFP4 bytes, copied as they are) when the checkpoint stores them so;
+    ``"none"`` dequantises them at load into ``dtype``."""
+    check_quantization(quantization)
     path = Path(path)
     config = ModelConfig.from_json(path / "config.json")
     files = weight_map(path)
-    if engram_mmap is None:
-        with _Shards(files) as shards:
+    with _Shards(files) as shards:
+        if engram_mmap is None:
             engram_mmap = _wants_engram_mmap(files, shards)
-    model = empty_model(config, dtype=dtype, device=device, engram_tables_on_meta=engram_mmap)
+        expert_quantization = (
+            "auto" if quantization == "auto" and experts_stored_packed(files, shards) else "none"
+        )
+    model = empty_model(
+        config,
+        dtype=dtype,
+        device=device,
+        engram_tables_on_meta=engram_mmap,
+        quantization=expert_quantization,
+    )
     decoder: tuple[str, ...] = ()
     if encoder_only:
         model.drop_decoder_layers()
@@ -483,6 +574,7 @@ def load_checkpoint(
         return "decoder-layer" if decoder and name.startswith(decoder) else None
 
     targets = model.state_dict(keep_vars=True)
+    packed = packed_expert_targets(model, targets)
     with _Shards(files) as shards, torch.no_grad():
         entries, skipped = _plan(targets, files, shards, decoder_layer)
         absent = [n for n in targets if optional_tensor(n) and n not in files]
@@ -494,6 +586,9 @@ def load_checkpoint(
         for entry in entries:
             if engram_mmap and weight_format(entry.name) is WeightFormat.FP8_ROWS:
                 _map_engram_table(model, entry, files, dtype)
+                continue
+            if entry.name in packed:
+                reads.extend(_packed_expert_reads(entry, packed[entry.name], shards))
                 continue
             reads.append(_tensor_read(entry, targets[entry.name], shards))
     # After the headers' handles are closed: only the shard being read stays mapped.

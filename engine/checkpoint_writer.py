@@ -131,8 +131,16 @@ def save_checkpoint(
         f.write("\n")
     _remove_old_weights(out)
     state = dict(model.state_dict())
+    # Packed routed experts carry their stored bytes (weight and ``.scale``):
+    # written as they are, the scale beside its weight.
+    packed = {n: state.pop(scale_name(n)) for n in list(state) if scale_name(n) in state}
     extras = dict(extra_tensors or {})
-    sizes = {name: stored_nbytes(name, tuple(t.shape)) for name, t in state.items()}
+    sizes = {
+        name: t.nbytes + packed[name].nbytes
+        if name in packed
+        else stored_nbytes(name, tuple(t.shape))
+        for name, t in state.items()
+    }
     sizes |= {name: t.numel() * t.element_size() for name, t in extras.items()}
     plan = _shard_plan(sizes, shard_bytes)
     weight_map: dict[str, str] = {}
@@ -147,6 +155,9 @@ def save_checkpoint(
         for name in names:
             if name in extras:
                 tensors[name] = extras[name].contiguous()
+            elif name in packed:
+                tensors[name] = state[name].contiguous()
+                tensors[scale_name(name)] = _e8m0(packed[name]).contiguous()
             else:
                 tensors.update(encode_tensor(name, state[name]))
         save_file(tensors, out / file, metadata={"format": "pt"})

@@ -39,8 +39,11 @@ def lossy(name: str) -> bool:
 def quantised_weights(model: nn.Module) -> Iterator[None]:
     """Swap every lossy parameter for its served value; restore the masters on exit."""
     masters: dict[str, torch.Tensor] = {}
+    # state_dict: the checkpoint's names, one routed expert at a time (views of
+    # the stacked expert parameters), so each is quantised as it is stored.
+    params = model.state_dict(keep_vars=True)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for name, p in params.items():
             if lossy(name):
                 masters[name] = p.detach().clone()
                 p.copy_(served_value(name, p))
@@ -48,6 +51,5 @@ def quantised_weights(model: nn.Module) -> Iterator[None]:
         yield
     finally:
         with torch.no_grad():
-            params = dict(model.named_parameters())
             for name, master in masters.items():
                 params[name].copy_(master)

@@ -107,7 +107,10 @@ class DeepseekV41(nn.Module):
         layer because each sublayer input is RMS-normalised.
         """
         std = self.config.initializer_range if std is None else std
-        for name, p in self.named_parameters():
+        # In checkpoint order and names (routed experts one by one, as views of
+        # their stacked parameters), so a seed gives the same tensors whatever
+        # the experts' storage.
+        for name, p in self.state_dict(keep_vars=True).items():
             leaf = name.rsplit(".", 1)[-1]
             if name.endswith("norm.weight") or leaf.endswith("_scale"):
                 p.fill_(1.0)

@@ -3,7 +3,8 @@
 See docs/design/architecture.md §1.8.
 
 Checkpoint names: ``ffn.gate.weight`` / ``ffn.gate.bias`` (the
-e_score_correction_bias), ``ffn.experts.E.w{1,2,3}.weight``,
+e_score_correction_bias), ``ffn.experts.E.w{1,2,3}.weight`` (the routed
+experts, stored stacked: engine/model/routed_experts.py),
 ``ffn.shared_experts.w{1,2,3}.weight``.
 """
 
@@ -14,7 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model.config import ModelConfig
-from engine.model.precision import compute_dtype, upcast
+from engine.model.precision import upcast
+from engine.model.routed_experts import RoutedExperts, clamped_swiglu
 
 # Added to the sum of the selected scores before normalising (DeepSeek's value).
 ROUTE_NORM_EPS = 1e-20
@@ -39,12 +41,7 @@ class Expert(nn.Module):
 
         The activation runs in fp32 and is cast back to ``x``'s dtype for ``w2``.
         """
-        gate = upcast(self.w1(x))
-        up = upcast(self.w3(x))
-        if self.swiglu_limit > 0:
-            gate = gate.clamp(max=self.swiglu_limit)
-            up = up.clamp(min=-self.swiglu_limit, max=self.swiglu_limit)
-        h = F.silu(gate) * up
+        h = clamped_swiglu(upcast(self.w1(x)), upcast(self.w3(x)), self.swiglu_limit)
         if weights is not None:
             h = upcast(weights) * h
         return self.w2(h.to(x.dtype))
@@ -84,22 +81,13 @@ class MoE(nn.Module):
         dim, inter, limit = config.hidden_size, config.moe_intermediate_size, config.swiglu_limit
         self.n_routed_experts = config.n_routed_experts
         self.gate = Gate(config)
-        self.experts = nn.ModuleList(
-            Expert(dim, inter, limit) for _ in range(config.n_routed_experts)
-        )
+        self.experts = RoutedExperts(config.n_routed_experts, dim, inter, limit)
         # The released config clamps the shared expert too (docs/design/architecture.md §1.8).
         self.shared_experts = Expert(dim, inter * config.n_shared_experts, limit)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, D] -> [T, D]`` in ``x``'s dtype."""
         weights, idx = self.gate(x)
-        y = torch.zeros(x.shape, dtype=compute_dtype(x), device=x.device)
-        counts = torch.bincount(idx.flatten(), minlength=self.n_routed_experts).tolist()
-        for e, count in enumerate(counts):
-            if count == 0:
-                continue
-            token, slot = torch.where(idx == e)
-            out = self.experts[e](x[token], weights[token, slot, None])
-            y.index_add_(0, token, upcast(out))
-        y += upcast(self.shared_experts(x))
+        y = self.experts(x, weights, idx)
+        y += upcast(self.shared_experts(x), y)
         return y.to(x.dtype)

@@ -31,8 +31,9 @@ def test_peak_rss_stays_near_one_shard_above_the_model(tmp_path: Path) -> None:
         shutil.rmtree(ckpt, ignore_errors=True)
     assert not ckpt.exists()
     assert 0.8 * TARGET_BYTES < result["checkpoint_bytes"] < 1.3 * TARGET_BYTES
-    # The model resident in bf16 is larger than the packed checkpoint (FP4 experts x4).
-    assert result["resident_bytes"] > 2 * result["checkpoint_bytes"]
+    # Every stored byte is resident at least once (packed experts as stored, the
+    # rest as stored or widened to bf16): the bound below is not met by dropping weights.
+    assert result["resident_bytes"] > 0.9 * result["checkpoint_bytes"]
     bound = (
         SHARD_SLACK * result["largest_shard_bytes"]
         + result["resident_bytes"]

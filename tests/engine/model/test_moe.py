@@ -9,6 +9,7 @@ import torch
 
 from engine.model.config import ModelConfig
 from engine.model.moe import Expert, Gate, MoE
+from kernels.weight_formats import dequantize_mxfp4_weight
 
 
 def _silu(v: float) -> float:
@@ -68,10 +69,12 @@ def test_gate_bias_selects_but_scores_weight_hand_computed():
 def _oracle_moe(moe: MoE, x: torch.Tensor, limit: float) -> torch.Tensor:
     """Dense float64: every token scores every expert, keeps its top-k, sums."""
 
-    def expert(e: Expert, v: torch.Tensor) -> torch.Tensor:
-        gate = (e.w1.weight.double() @ v).clamp(max=limit)
-        up = (e.w3.weight.double() @ v).clamp(-limit, limit)
-        return e.w2.weight.double() @ (gate * torch.sigmoid(gate) * up)
+    def expert(w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, v: torch.Tensor):
+        gate = (w1.double() @ v).clamp(max=limit)
+        up = (w3.double() @ v).clamp(-limit, limit)
+        return w2.double() @ (gate * torch.sigmoid(gate) * up)
+
+    routed, shared = moe.experts, moe.shared_experts
 
     k = moe.gate.topk
     out = torch.zeros(x.shape, dtype=torch.float64)
@@ -81,8 +84,8 @@ def _oracle_moe(moe: MoE, x: torch.Tensor, limit: float) -> torch.Tensor:
         chosen = sorted(range(len(s)), key=lambda e: -(s[e] + moe.gate.bias[e].double()).item())[:k]
         total = sum(s[e] for e in chosen)
         for e in chosen:
-            out[t] += s[e] / total * 1.5 * expert(moe.experts[e], v)
-        out[t] += expert(moe.shared_experts, v)
+            out[t] += s[e] / total * 1.5 * expert(routed.w1[e], routed.w2[e], routed.w3[e], v)
+        out[t] += expert(shared.w1.weight, shared.w2.weight, shared.w3.weight, v)
     return out
 
 
@@ -99,8 +102,8 @@ def test_moe_matches_dense_float64_oracle():
     assert got.dtype == torch.float32 and got.shape == x.shape
     torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-5)
     # Both clamps really were exercised by this input.
-    gate = torch.stack([e.w1(x) for e in moe.experts])
-    up = torch.stack([e.w3(x) for e in moe.experts])
+    gate = torch.einsum("eid,td->eti", moe.experts.w1, x)
+    up = torch.einsum("eid,td->eti", moe.experts.w3, x)
     assert (gate > config.swiglu_limit).any() and (up < -config.swiglu_limit).any()
 
 
@@ -116,8 +119,107 @@ def test_checkpoint_names():
     config = ModelConfig.tiny()
     names = set(MoE(config).state_dict())
     assert {"gate.weight", "gate.bias", "experts.0.w1.weight", "experts.7.w3.weight"} <= names
+    # The experts are stored stacked, but no stacked name reaches the checkpoint.
+    assert not {"experts.w1", "experts.w2", "experts.w3"} & names
     assert {"shared_experts.w1.weight", "shared_experts.w2.weight"} <= names
     assert MoE(config).shared_experts.w1.weight.shape == (
         config.moe_intermediate_size * config.n_shared_experts,
         config.hidden_size,
     )
+
+
+# ------------------------------------------------------------- fused vs the per-expert loop
+
+
+def _float64_moe(seed: int) -> MoE:
+    config = ModelConfig.tiny()
+    torch.manual_seed(seed)
+    moe = MoE(config).double()
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0.0, 0.15)
+        # Column 0 of the router is 1 for every expert: a row with a large
+        # negative x[0] scores every expert at softplus(-1000) = 0 in float64.
+        moe.gate.weight[:, 0] = 1.0
+        # Expert 7's selection bias keeps it out of every top-k: it gets no row.
+        moe.gate.bias[7] = -1e6
+    return moe
+
+
+def test_fused_moe_equals_the_per_expert_loop_float64():
+    """The stacked, grouped experts against the old layout (``LoopMoE``: one module per
+    expert, a ``torch.where`` per expert), float64, on the same exact routing.
+
+    "A row routed to the shared expert only": V4.1's router always picks k
+    experts, so such a row is one whose routed weights are all zero. Row 3 is
+    made so: every expert's score underflows (softplus(-1000) = 0 in float64),
+    its top-k weights are exactly 0, its routed experts still run and add
+    exactly nothing, and its output is the shared expert's alone. Expert 7
+    receives no row (its selection bias is -1e6).
+    """
+    from bench.moe_bench import LoopMoE
+
+    moe = _float64_moe(0)
+    x = torch.randn(12, moe.gate.weight.shape[1], dtype=torch.float64) * 4
+    x[:, 0] = x[:, 0].clamp(-1.0, 1.0)
+    x[3, 0] = -1000.0
+    weights, idx = moe.gate(x)
+    assert torch.equal(weights[3], torch.zeros_like(weights[3]))
+    assert not (idx == 7).any()
+    assert len(idx.unique()) >= 5  # several experts share the step's rows
+
+    got = moe(x)
+    want = LoopMoE(moe)(x)
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+    shared = moe.shared_experts(x)[3]
+    assert torch.equal(moe.experts(x, weights, idx)[3], torch.zeros_like(shared))
+    torch.testing.assert_close(got[3], shared, atol=0, rtol=0)
+
+
+def test_fused_moe_gradients_equal_the_per_expert_loop():
+    """Training runs the unpacked experts: their gradients per expert equal the old modules'."""
+    from bench.moe_bench import LoopMoE
+
+    moe = _float64_moe(1)
+    loop = LoopMoE(moe)
+    x = torch.randn(10, moe.gate.weight.shape[1], dtype=torch.float64)
+    probe = torch.randn(10, x.shape[1], dtype=torch.float64)
+    (moe(x) * probe).sum().backward()
+    (loop(x) * probe).sum().backward()
+    for e, expert in enumerate(loop.experts):
+        for name in ("w1", "w2", "w3"):
+            want = getattr(expert, name).weight.grad
+            got = getattr(moe.experts, name).grad[e]
+            if want is None:  # an expert without rows
+                assert e == 7 and torch.equal(got, torch.zeros_like(got))
+            else:
+                torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+    assert moe.experts.w1.grad[:7].abs().sum(dim=(1, 2)).min() > 0
+
+
+def test_packed_moe_matches_the_unpacked_one_on_its_served_weights():
+    """Packed experts (MXFP4 bytes, E4M3 activations) against the unpacked experts holding
+    the same dequantised weights: the only difference left is the activation
+    quantisation, E4M3 with 3 mantissa bits (relative error <= 2^-4 per element)."""
+    config = ModelConfig.tiny()
+    torch.manual_seed(2)
+    moe = MoE(config)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0.0, 0.1)
+    packed = moe.experts.packed_copy()
+    served = MoE(config)
+    served.load_state_dict(moe.state_dict())
+    with torch.no_grad():
+        for name in ("w1", "w2", "w3"):
+            q = getattr(packed, name)
+            s = getattr(packed, name + "_scale")
+            getattr(served.experts, name).copy_(dequantize_mxfp4_weight(q, s, torch.float32))
+    x = torch.randn(9, config.hidden_size)
+    with torch.no_grad():
+        weights, idx = moe.gate(x)
+        got = packed(x, weights, idx)
+        want = served.experts(x, weights, idx)
+    err = (got - want).norm() / want.norm()
+    assert 1e-4 < err < 2**-4, err  # real quantisation, within E4M3's step

@@ -71,14 +71,12 @@ def _random_moe(config: ModelConfig, seed: int) -> MoE:
 
 
 def _copy_into_hf_block(moe: MoE, block: nn.Module) -> None:
-    """Our per-expert w1/w2/w3 -> transformers' packed [gate; up] and down tensors."""
+    """Our stacked w1/w2/w3 [E, out, in] -> transformers' [gate; up] and down tensors."""
     with torch.no_grad():
         block.gate.weight.copy_(moe.gate.weight)
         block.gate.e_score_correction_bias.copy_(moe.gate.bias)
-        block.experts.gate_up_proj.copy_(
-            torch.stack([torch.cat([e.w1.weight, e.w3.weight]) for e in moe.experts])
-        )
-        block.experts.down_proj.copy_(torch.stack([e.w2.weight for e in moe.experts]))
+        block.experts.gate_up_proj.copy_(torch.cat([moe.experts.w1, moe.experts.w3], dim=1))
+        block.experts.down_proj.copy_(moe.experts.w2)
         _copy_into_hf_mlp(moe.shared_experts, block.shared_experts)
 
 

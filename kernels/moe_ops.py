@@ -1,0 +1,149 @@
+"""Grouped GEMM over the packed MXFP4 routed experts (the fused MoE's matmul).
+
+Rows arrive sorted by expert: expert ``e`` owns rows ``offsets[e]:offsets[e+1]``
+of the activation. Each expert's weight is the checkpoint's MXFP4 bytes (E2M1
+pairs ``int8 [E, N, K/2]``, UE8M0 scale bytes ``uint8 [E, N, K/32]``). The
+release's numerics: the activation is quantised to E4M3 per block of 32
+(``kernels.act_quant``), each product of an E4M3 and an E2M1 value is exact,
+and the dot products accumulate in fp32 (docs/design/kernels.md, "Fused MoE").
+
+The public op runs the Triton grouped GEMM (one launch over every active
+expert) or the CPU reference, a loop over the experts that received rows which
+dequantises one expert's weight at a time into a scratch tile
+(``kernels.dispatch``). ``grouped_mxfp4_matmul_float64`` is the oracle: the same
+quantised operands multiplied and summed in float64.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from kernels.act_quant import dequantize_act_fp8, quantize_act_fp8
+from kernels.dispatch import use_triton
+from kernels.quant import e2m1_decode, e8m0_decode, unpack_nibbles
+from kernels.weight_formats import BLOCK, dequantize_mxfp4_weight
+
+
+def _check(
+    a_values: torch.Tensor,
+    a_scales: torch.Tensor,
+    offsets: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+) -> None:
+    e, n, half_k = w.shape
+    k = a_values.shape[-1]
+    if a_values.dim() != 2 or k != 2 * half_k or k % BLOCK:
+        raise ValueError(f"activation {tuple(a_values.shape)} does not fit weight {tuple(w.shape)}")
+    if tuple(a_scales.shape) != (a_values.shape[0], k // BLOCK):
+        raise ValueError(
+            f"activation scales {tuple(a_scales.shape)}, want {(a_values.shape[0], k // BLOCK)}"
+        )
+    if tuple(w_scale.shape) != (e, n, k // BLOCK):
+        raise ValueError(f"weight scales {tuple(w_scale.shape)}, want {(e, n, k // BLOCK)}")
+    if tuple(offsets.shape) != (e + 1,):
+        raise ValueError(f"offsets {tuple(offsets.shape)}, want ({e + 1},)")
+
+
+def grouped_mxfp4_matmul(
+    a_values: torch.Tensor,
+    a_scales: torch.Tensor,
+    offsets: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    counts: list[int] | None = None,
+) -> torch.Tensor:
+    """fp32 ``[M, N]``: row r of expert e is ``dequant(a[r]) @ dequant(w[e]).T``.
+
+    ``a_values`` / ``a_scales``: ``quantize_act_fp8`` of the expert-sorted rows
+    ``[M, K]``; ``offsets`` ``Long[E + 1]`` on the rows' device; ``counts``: the
+    rows per expert on the host, when the caller already has them (the CPU loop
+    needs them; the Triton path never syncs for them).
+    """
+    _check(a_values, a_scales, offsets, w, w_scale)
+    if use_triton(a_values, w):
+        from kernels.triton.grouped_mxfp4 import grouped_mxfp4_matmul_triton
+
+        return grouped_mxfp4_matmul_triton(a_values, a_scales, offsets, w, w_scale)
+    return grouped_mxfp4_matmul_reference(a_values, a_scales, offsets, w, w_scale, counts)
+
+
+def _active(offsets: torch.Tensor, counts: list[int] | None) -> list[tuple[int, int, int]]:
+    """(expert, first row, end row) of every expert that received rows."""
+    if counts is None:
+        bounds = offsets.tolist()
+    else:
+        bounds = [0]
+        for c in counts:
+            bounds.append(bounds[-1] + c)
+    return [(e, r0, r1) for e, (r0, r1) in enumerate(itertools.pairwise(bounds)) if r1 > r0]
+
+
+_TABLES: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _decode_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``[256, 2]`` (both E2M1 values of every byte) and ``[256]`` (every E8M0 byte).
+
+    3 KiB, so they stay in L1 under any load. A table of every byte pair (1 MiB,
+    half the lookups) measured no faster on a busy host: its lookups miss the cache.
+    """
+    if device not in _TABLES:
+        every = torch.arange(256, dtype=torch.uint8, device=device)
+        pairs = e2m1_decode(unpack_nibbles(every[:, None])).contiguous()
+        _TABLES[device] = (pairs, e8m0_decode(every).contiguous())
+    return _TABLES[device]
+
+
+def dequantize_expert_tile(
+    w: torch.Tensor, w_scale: torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
+    """One expert's MXFP4 weight ``[N, K/2]`` (+ ``[N, K/32]`` scales) into fp32 ``out [N, K]``.
+
+    Equal to ``dequantize_mxfp4_weight`` (exactly: an E2M1 value times a power
+    of two), with one table lookup per byte written straight into ``out``: the
+    CPU path reuses one scratch tile for every active expert of a step.
+    """
+    pairs, scales = _decode_tables(w.device)
+    n = w.shape[0]
+    torch.index_select(pairs, 0, w.reshape(-1).view(torch.uint8).long(), out=out.view(-1, 2))
+    s = scales.index_select(0, w_scale.reshape(-1).view(torch.uint8).long())
+    out.view(n, -1, BLOCK).mul_(s.view(n, -1, 1))
+    return out
+
+
+def grouped_mxfp4_matmul_reference(
+    a_values: torch.Tensor,
+    a_scales: torch.Tensor,
+    offsets: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    counts: list[int] | None = None,
+) -> torch.Tensor:
+    """The CPU path: per active expert, its weight dequantised (exact, fp32), one matmul."""
+    a = dequantize_act_fp8(a_values, a_scales)  # exact: E4M3 times a power of two
+    out = torch.empty(a.shape[0], w.shape[1], dtype=torch.float32, device=a.device)
+    tile = torch.empty(w.shape[1], a.shape[1], dtype=torch.float32, device=a.device)
+    for e, r0, r1 in _active(offsets, counts):
+        dequantize_expert_tile(w[e], w_scale[e], tile)
+        out[r0:r1] = a[r0:r1] @ tile.T
+    return out
+
+
+def grouped_mxfp4_matmul_float64(
+    x: torch.Tensor, offsets: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor
+) -> torch.Tensor:
+    """The float64 oracle from the unquantised rows ``x``.
+
+    Quantise the activation, dequantise each expert's weight, multiply and sum in float64.
+    """
+    values, scales = quantize_act_fp8(x)
+    _check(values, scales, offsets, w, w_scale)
+    a = dequantize_act_fp8(values, scales).double()
+    out = torch.zeros(x.shape[0], w.shape[1], dtype=torch.float64, device=x.device)
+    for e, r0, r1 in _active(offsets, None):
+        weight = dequantize_mxfp4_weight(w[e], w_scale[e], torch.float64)
+        out[r0:r1] = a[r0:r1] @ weight.T
+    return out
