@@ -28,6 +28,7 @@ from torch import nn
 from engine.model.config import ModelConfig
 from engine.model.engram import Engram, build_compressed_vocab, tables_on_meta
 from engine.model.engram_table import MappedEngramTable, tensor_span
+from engine.model.fp8_linear import pack_linears
 from engine.model.model import DeepseekV41
 from engine.tokenizer import load_tokenizer
 from engine.weight_stream import TensorRead, stream_into
@@ -48,6 +49,10 @@ SCALE_SUFFIX = ".scale"
 # parameters (trainable, in ``state_dict``).
 ENGRAM_MMAP_MIN_BYTES = 1 << 30
 QUANT_BLOCK = 32  # every scale in the checkpoint covers 32 elements along K (and 32 rows for FP8)
+
+# ``quantization``: "auto" keeps every FP8_BLOCK weight stored as F8_E4M3 packed
+# (engine/model/fp8_linear.py); "none" dequantises everything at load to ``dtype``.
+QUANTIZATION_MODES = ("auto", "none")
 
 # Tensors the text server does not serve: skipped with one notice per kind.
 SKIPPED_KINDS: dict[str, tuple[str, ...]] = {
@@ -366,6 +371,7 @@ def empty_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     engram_tables_on_meta: bool = False,
+    quantization: str = "none",
 ) -> DeepseekV41:
     """``DeepseekV41`` on ``device`` with uninitialised parameters in ``dtype``.
 
@@ -374,7 +380,10 @@ def empty_model(
     declares in an explicit dtype (mHC coefficients, sinks) keep it. Sets the
     process-wide default dtype while it builds. ``engram_tables_on_meta``: the
     Engram tables get no memory (the loader maps them from the checkpoint).
+    ``quantization="auto"``: every linear the format table stores as FP8 blocks
+    is packed (``Fp8Linear``), as a release-format checkpoint loads.
     """
+    _check_quantization(quantization)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -383,9 +392,20 @@ def empty_model(
             stack.enter_context(torch.device(device))
             if engram_tables_on_meta:
                 stack.enter_context(tables_on_meta())
-            return DeepseekV41(config)
+            model = DeepseekV41(config)
     finally:
         torch.set_default_dtype(previous)
+    if quantization == "auto":
+        names = [n for n in model.state_dict() if weight_format(n) is WeightFormat.FP8_BLOCK]
+        pack_linears(model, names)
+    return model
+
+
+def _check_quantization(quantization: str) -> None:
+    if quantization not in QUANTIZATION_MODES:
+        raise ValueError(
+            f"quantization={quantization!r}: expected one of {', '.join(QUANTIZATION_MODES)}"
+        )
 
 
 def _engram_table_names(files: dict[str, Path]) -> list[str]:
@@ -449,6 +469,45 @@ def _tensor_read(entry: _Entry, target: torch.Tensor, shards: _Shards) -> Tensor
     return TensorRead(entry.name, target, convert, nbytes, scale, rows)
 
 
+# ----------------------------------------------------------------- packed weights
+
+
+def packable_weights(names: list[str], files: dict[str, Path], shards: _Shards) -> list[str]:
+    """The FP8_BLOCK weights among ``names`` that the checkpoint stores packed.
+
+    Packed means ``F8_E4M3`` with an ``F8_E8M0`` (or ``U8``) ``.scale``; a BF16
+    re-export of the same weight (or V3-style float scales) loads dequantised.
+    Routed experts (MXFP4) and Engram tables are not FP8_BLOCK: never here.
+    """
+    packable = []
+    for name in names:
+        scale = scale_name(name)
+        if weight_format(name) is not WeightFormat.FP8_BLOCK or name not in files:
+            continue
+        if scale not in files or shards.header(name)[0] != "F8_E4M3":
+            continue
+        if shards.header(scale)[0] in ("F8_E8M0", "U8"):
+            packable.append(name)
+    return packable
+
+
+def _stored_bytes(weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    return weight  # packed: the stored bytes, as they are
+
+
+def _packed_reads(name: str, targets: dict[str, torch.Tensor], shards: _Shards) -> list[TensorRead]:
+    """A packed weight and its scale, each copied byte for byte into its buffer."""
+    reads = []
+    for stored in (name, scale_name(name)):
+        dtype, shape = shards.header(stored)
+        target = targets[stored]
+        if dtype == "U8":  # raw E8M0 bytes: the buffer's byte view takes them
+            target = target.view(torch.uint8)
+        nbytes = math.prod(shape) * _DTYPE_BYTES.get(dtype, 1)
+        reads.append(TensorRead(stored, target, _stored_bytes, nbytes))
+    return reads
+
+
 def load_checkpoint(
     path: str | Path,
     *,
@@ -457,6 +516,7 @@ def load_checkpoint(
     encoder_only: bool = False,
     engram_mmap: bool | None = None,
     progress: bool | None = None,
+    quantization: str = "auto",
 ) -> tuple[ModelConfig, DeepseekV41]:
     """Read ``config.json``, the weights and the Engram vocabulary of ``path`` into a model.
 
@@ -466,7 +526,11 @@ def load_checkpoint(
     on stderr (None: when stderr is a terminal).
     ``engram_mmap``: keep the Engram tables in the checkpoint's files, memory-mapped,
     and gather each step's rows from there (no byte of a table is read at load, none
-    is in ``state_dict``); None: when they exceed ``ENGRAM_MMAP_MIN_BYTES``."""
+    is in ``state_dict``); None: when they exceed ``ENGRAM_MMAP_MIN_BYTES``.
+    ``quantization``: "auto" keeps each FP8-block weight stored as ``F8_E4M3``
+    packed (an ``Fp8Linear`` holding the stored bytes, activations quantised per
+    block of 32 at run time); "none" dequantises every weight to ``dtype``."""
+    _check_quantization(quantization)
     path = Path(path)
     config = ModelConfig.from_json(path / "config.json")
     files = weight_map(path)
@@ -482,9 +546,18 @@ def load_checkpoint(
     def decoder_layer(name: str) -> str | None:
         return "decoder-layer" if decoder and name.startswith(decoder) else None
 
+    packed: set[str] = set()
+    if quantization == "auto":
+        with _Shards(files) as shards:
+            names = packable_weights(list(model.state_dict(keep_vars=True)), files, shards)
+        packed = set(pack_linears(model, names))
     targets = model.state_dict(keep_vars=True)
     with _Shards(files) as shards, torch.no_grad():
-        entries, skipped = _plan(targets, files, shards, decoder_layer)
+        # A packed weight's `.scale` is a buffer of the model now: the plan sees
+        # it as the weight's sibling, as for a dequantised load.
+        packed_scales = {scale_name(n) for n in packed}
+        planned = {n: t for n, t in targets.items() if n not in packed_scales}
+        entries, skipped = _plan(planned, files, shards, decoder_layer)
         absent = [n for n in targets if optional_tensor(n) and n not in files]
         for name in absent:
             targets[name].zero_()
@@ -494,6 +567,9 @@ def load_checkpoint(
         for entry in entries:
             if engram_mmap and weight_format(entry.name) is WeightFormat.FP8_ROWS:
                 _map_engram_table(model, entry, files, dtype)
+                continue
+            if entry.name in packed:
+                reads.extend(_packed_reads(entry.name, targets, shards))
                 continue
             reads.append(_tensor_read(entry, targets[entry.name], shards))
     # After the headers' handles are closed: only the shard being read stays mapped.

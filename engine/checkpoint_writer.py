@@ -28,6 +28,7 @@ from engine.checkpoint import (
     weight_format,
 )
 from engine.model.config import ModelConfig
+from engine.model.fp8_linear import packed_modules
 from engine.model.model import DeepseekV41
 from kernels.weight_formats import quantize_fp8_block, quantize_fp8_rows, quantize_mxfp4_weight
 
@@ -131,6 +132,10 @@ def save_checkpoint(
         f.write("\n")
     _remove_old_weights(out)
     state = dict(model.state_dict())
+    # Packed linears (engine/model/fp8_linear.py) hold the stored bytes: written as
+    # they are, each weight with its `.scale`.
+    packed = {f"{name}.weight" for name in packed_modules(model)}
+    scales = {scale_name(name): state.pop(scale_name(name)) for name in packed}
     extras = dict(extra_tensors or {})
     sizes = {name: stored_nbytes(name, tuple(t.shape)) for name, t in state.items()}
     sizes |= {name: t.numel() * t.element_size() for name, t in extras.items()}
@@ -147,6 +152,9 @@ def save_checkpoint(
         for name in names:
             if name in extras:
                 tensors[name] = extras[name].contiguous()
+            elif name in packed:
+                tensors[name] = state[name].contiguous()
+                tensors[scale_name(name)] = scales[scale_name(name)].contiguous()
             else:
                 tensors.update(encode_tensor(name, state[name]))
         save_file(tensors, out / file, metadata={"format": "pt"})

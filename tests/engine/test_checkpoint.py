@@ -81,7 +81,8 @@ def sharded_dir(tmp_path_factory: pytest.TempPathFactory, original: DeepseekV41)
 
 @pytest.fixture(scope="module")
 def loaded(tiny_dir: Path) -> DeepseekV41:
-    config, model = load_checkpoint(tiny_dir)
+    """Dequantised at load (the packed default: tests/engine/test_packed_linears.py)."""
+    config, model = load_checkpoint(tiny_dir, quantization="none")
     assert config.to_dict() == ModelConfig.tiny().to_dict()
     return model
 
@@ -210,7 +211,7 @@ def test_sharded_round_trip(sharded_dir: Path, loaded: DeepseekV41) -> None:
     for name, file in index["weight_map"].items():
         if name.endswith(SCALE_SUFFIX):
             assert index["weight_map"][name[: -len(SCALE_SUFFIX)] + ".weight"] == file
-    _, model = load_checkpoint(sharded_dir)
+    _, model = load_checkpoint(sharded_dir, quantization="none")
     for name, tensor in loaded.state_dict().items():
         assert torch.equal(model.state_dict()[name], tensor), name
 
@@ -221,7 +222,7 @@ def _header_bytes(file: Path) -> int:
 
 
 def test_load_in_bfloat16_keeps_fp32_parameters(tiny_dir: Path, loaded: DeepseekV41) -> None:
-    _, model = load_checkpoint(tiny_dir, dtype=torch.bfloat16)
+    _, model = load_checkpoint(tiny_dir, dtype=torch.bfloat16, quantization="none")
     state = model.state_dict()
     assert state["layers.0.attn.wq_a.weight"].dtype == torch.bfloat16
     assert state["layers.0.hc_attn_fn"].dtype == torch.float32  # declared fp32 by the model
@@ -319,7 +320,7 @@ def test_skips_dspark_and_vision_and_accepts_plain_exports(
     }
     ok = _tampered(sharded_dir, tmp_path / "ok", drop=("layers.0.attn.wq_a.scale",), add=extra)
     with caplog.at_level(logging.INFO, logger="engine.checkpoint"):
-        _, model = load_checkpoint(ok)
+        _, model = load_checkpoint(ok, quantization="none")
     notices = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
     assert len(notices) == 2
     assert any("3 dspark" in m for m in notices)
@@ -365,7 +366,7 @@ def test_encoder_only_load_reads_no_decoder_layer(
 ) -> None:
     """A prefill worker's model: layers [0, B] and the rest of the model, as loaded in full."""
     with caplog.at_level(logging.INFO, logger="engine.checkpoint"):
-        _, model = load_checkpoint(tiny_dir, encoder_only=True)
+        _, model = load_checkpoint(tiny_dir, encoder_only=True, quantization="none")
     boundary = model.config.ced_boundary
     assert model.encoder_only and not loaded.encoder_only
     assert len(model.layers) == boundary + 1 < len(loaded.layers)
