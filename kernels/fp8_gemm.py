@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import threading
+from dataclasses import dataclass
 
 import torch
 
@@ -50,21 +51,27 @@ _FACTOR_SAFE_BELOW = 247
 
 
 def fp8_linear(
-    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *, nan_free: bool | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    *,
+    nan_free: bool | None = None,
+    prepared: PreparedScales | None = None,
 ) -> torch.Tensor:
     """``x [..., K]`` times packed ``weight [N, K]`` transposed -> ``[..., N]`` in ``x.dtype``.
 
     ``scale``: ``float8_e8m0fnu`` or its ``uint8`` bytes. A float64 ``x`` (the
     engine's exact test mode) accumulates in float64 on the CPU path.
     ``nan_free``: the caller knows no weight byte is an E4M3 NaN (0x7F / 0xFF),
-    so the CPU path may skip looking (None: it looks).
+    so the CPU path may skip looking (None: it looks). ``prepared``: the CPU
+    path's decoded scales (``prepare_scales``), which a module can keep.
     """
     _check(x, weight, scale)
     if use_triton(x, weight, scale) and x.dtype != torch.float64:
         from kernels.triton.fp8_gemm import fp8_linear_triton
 
         return fp8_linear_triton(x, weight, scale)
-    return fp8_linear_cpu(x, weight, scale, nan_free=nan_free)
+    return fp8_linear_cpu(x, weight, scale, nan_free=nan_free, prepared=prepared)
 
 
 def fp8_linear_reference(
@@ -82,6 +89,29 @@ def fp8_linear_reference(
 
 
 # ----------------------------------------------------------------- CPU path
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedScales:
+    """Weight-block scales decoded for the CPU path, in its compute dtype.
+
+    ``folded``: they include the decode's factor 256 (false when that would
+    overflow: scales of 2^120 and more; the tile then takes it)."""
+
+    values: torch.Tensor  # [ceil(N/32), K/32]
+    folded: bool
+
+
+def prepare_scales(scale: torch.Tensor, compute: torch.dtype) -> PreparedScales:
+    scale_bytes = _bytes(scale)
+    values = e8m0_decode(scale_bytes).to(compute)
+    folded = bool(((scale_bytes < _FACTOR_SAFE_BELOW) | (scale_bytes == 0xFF)).all())
+    return PreparedScales(values * _FP16_FACTOR if folded else values, folded)
+
+
+def compute_dtype_of(x: torch.Tensor) -> torch.dtype:
+    """The CPU path's accumulation dtype: float64 for float64 x, else float32."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 class _Scratch(threading.local):
@@ -108,33 +138,36 @@ def tile_rows(n: int, k: int) -> int:
 
 
 def fp8_linear_cpu(
-    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *, nan_free: bool | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    *,
+    nan_free: bool | None = None,
+    prepared: PreparedScales | None = None,
 ) -> torch.Tensor:
     """The PyTorch path (any device): tiles of the weight dequantised into scratch."""
-    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    compute = compute_dtype_of(x)
     n, k = weight.shape
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
     t = x2.shape[0]
-    out = torch.empty(t, n, dtype=compute, device=x.device)
     if t == 0 or n == 0:
-        return out.to(x.dtype).reshape(*lead, n)
+        return torch.zeros(*lead, n, dtype=x.dtype, device=x.device)
     values, act_scales = quantize_act_fp8(x2)
-    xq = values.to(compute)
-    w_scales = e8m0_decode(_bytes(scale)).to(compute)  # [ceil(N/32), K/32]
-    # The decoded weight is short by _FP16_FACTOR: fold it into the weight scales
-    # unless that overflows (scales of 2^120 and more), then into the tile.
-    scale_bytes = _bytes(scale)
-    fold = bool(((scale_bytes < _FACTOR_SAFE_BELOW) | (scale_bytes == 0xFF)).all())
-    if fold:
-        w_scales = w_scales * _FP16_FACTOR
+    xq, act_scales = values.to(compute), act_scales.to(compute)
+    # The decoded weight is short by _FP16_FACTOR: folded into the weight scales
+    # unless that overflows, then into the tile.
+    if prepared is None or prepared.values.dtype != compute:
+        prepared = prepare_scales(scale, compute)
+    w_scales, fold = prepared.values, prepared.folded  # [ceil(N/32), K/32]
     act_side = t <= ACT_SIDE_ROWS
     if not act_side:
-        xq = xq * act_scales.to(compute).repeat_interleave(ACT_BLOCK, -1)
+        xq = xq * act_scales.repeat_interleave(ACT_BLOCK, -1)
     raw = weight.view(torch.int8) if weight.dtype != torch.int8 else weight
     rows = tile_rows(n, k)
     codes = _SCRATCH.get(rows * k, torch.int16, x.device)
     tile = _SCRATCH.get(rows * k, compute, x.device)
+    pieces = []  # [T, tile rows] each; one for every linear of the tiny model
     for r0 in range(0, n, rows):
         r1 = min(r0 + rows, n)
         w = _decode(raw[r0:r1], codes[: (r1 - r0) * k], tile[: (r1 - r0) * k], nan_free)
@@ -143,14 +176,12 @@ def fp8_linear_cpu(
             w.mul_(_FP16_FACTOR)
         s = w_scales[r0 // BLOCK : math.ceil(r1 / BLOCK)]
         if act_side:
-            out[:, r0:r1] = _act_side(xq, act_scales.to(compute), w, s)
+            pieces.append(_act_side(xq, act_scales, w, s))
         else:
             per_row = s.repeat_interleave(BLOCK, 0)[: r1 - r0]
             w.view(r1 - r0, k // BLOCK, BLOCK).mul_(per_row[:, :, None])
-            if r1 - r0 == n:
-                torch.mm(xq, w.T, out=out)
-            else:
-                out[:, r0:r1] = xq @ w.T
+            pieces.append(xq @ w.T)
+    out = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
     return out.to(x.dtype).reshape(*lead, n)
 
 
@@ -159,7 +190,8 @@ def _decode(
 ) -> torch.Tensor:
     """E4M3 bytes (int8 view) -> values / 256 in ``tile``, via fp16 bits in ``codes``."""
     codes.copy_(raw.reshape(-1))  # sign-extends
-    codes.bitwise_left_shift_(_FP16_SHIFT).bitwise_and_(_FP16_MASK)
+    # A multiply by 2^7 is the shift (int16 wraps), and vectorises where shifts do not.
+    codes.mul_(1 << _FP16_SHIFT).bitwise_and_(_FP16_MASK)
     tile.copy_(codes.view(torch.float16))
     if not nan_free:
         nan = (raw.reshape(-1).view(torch.uint8) & 0x7F) == 0x7F
@@ -182,14 +214,14 @@ def _act_side(
     kb = k // BLOCK
     both = act_scales[None, :, :] * s[:, None, :]  # [row blocks, T, K/32]
     xs = (xq.view(1, t, kb, BLOCK) * both[:, :, :, None]).view(-1, t, k)
-    out = torch.empty(t, rows, dtype=xq.dtype, device=xq.device)
+    parts = []
     if full:
         wb = w[:full].view(full // BLOCK, BLOCK, k)
         prod = torch.bmm(xs[: full // BLOCK], wb.transpose(1, 2))  # [blocks, T, 32]
-        out[:, :full] = prod.transpose(0, 1).reshape(t, full)
+        parts.append(prod.view(t, full) if t == 1 else prod.transpose(0, 1).reshape(t, full))
     if full < rows:  # the ragged last block of rows
-        out[:, full:] = xs[-1] @ w[full:].T
-    return out
+        parts.append(xs[-1] @ w[full:].T)
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
 # ----------------------------------------------------------------- shared

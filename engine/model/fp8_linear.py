@@ -22,7 +22,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model.precision import upcast
-from kernels.fp8_gemm import BLOCK, fp8_linear
+from kernels.fp8_gemm import (
+    BLOCK,
+    PreparedScales,
+    compute_dtype_of,
+    fp8_linear,
+    prepare_scales,
+)
 
 
 class _Packed(nn.Module):
@@ -45,6 +51,7 @@ class _Packed(nn.Module):
             "scale", torch.empty(blocks, dtype=torch.float8_e8m0fnu, device=device)
         )
         self._nan_free: tuple[int, int, bool] | None = None
+        self._prepared: dict[tuple[int, int, torch.dtype], PreparedScales] = {}
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True):
         def same_dtype(t: torch.Tensor) -> torch.Tensor:
@@ -57,6 +64,18 @@ class _Packed(nn.Module):
     def resident_bytes(self) -> int:
         """Bytes this module holds: its stored weight and scales."""
         return self.weight.nbytes + self.scale.nbytes
+
+    def prepared(self, x: torch.Tensor, scale: torch.Tensor | None = None) -> PreparedScales:
+        """The CPU path's decoded scales of ``scale`` (default: all of them), kept until the
+        bytes change."""
+        scale = self.scale if scale is None else scale
+        compute = compute_dtype_of(x)
+        key = (scale.data_ptr(), self.scale._version, compute)
+        if key not in self._prepared:
+            if len(self._prepared) > 16:  # stale versions
+                self._prepared.clear()
+            self._prepared[key] = prepare_scales(scale, compute)
+        return self._prepared[key]
 
     def nan_free(self) -> bool:
         """No weight byte is an E4M3 NaN; looked at once per change of the bytes."""
@@ -78,7 +97,9 @@ class Fp8Linear(_Packed):
         self.out_features = out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_linear(x, self.weight, self.scale, nan_free=self.nan_free())
+        return fp8_linear(
+            x, self.weight, self.scale, nan_free=self.nan_free(), prepared=self.prepared(x)
+        )
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, e4m3 32x32"
@@ -109,18 +130,19 @@ class Fp8GroupedLinear(_Packed):
         o, blocks = self.out_per_group, self.out_per_group // BLOCK
         nan_free = self.nan_free()
         x32 = upcast(x)
-        return torch.stack(
-            [
+        outs = []
+        for g in range(self.n_groups):
+            scale = self.scale[g * blocks : (g + 1) * blocks]
+            outs.append(
                 fp8_linear(
                     x32[..., g, :],
                     self.weight[g * o : (g + 1) * o],
-                    self.scale[g * blocks : (g + 1) * blocks],
+                    scale,
                     nan_free=nan_free,
+                    prepared=self.prepared(x32, scale),
                 )
-                for g in range(self.n_groups)
-            ],
-            dim=-2,
-        )
+            )
+        return torch.stack(outs, dim=-2)
 
 
 def linear32(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
