@@ -109,10 +109,14 @@ def test_auto_keeps_the_stored_bytes(tiny_dir: Path, stored: dict[str, torch.Ten
 def test_auto_keeps_bytes_when_streamed_in_slices(
     tiny_dir: Path, stored: dict[str, torch.Tensor], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(weight_stream, "CHUNK_ELEMENTS", 4096)
-    monkeypatch.setattr(weight_stream, "REMAP_BYTES", 1 << 16)
+    # Slices of 16K elements: every packed linear but the smallest is cut (on 32-row
+    # boundaries), and shards are remapped mid-tensor.
+    monkeypatch.setattr(weight_stream, "CHUNK_ELEMENTS", 1 << 14)
+    monkeypatch.setattr(weight_stream, "REMAP_BYTES", 1 << 18)
     _, model = load_checkpoint(tiny_dir, dtype=torch.bfloat16)
     _check_packed_bytes(model, stored)
+    big = [m for m in packed_modules(model).values() if m.weight.numel() > 1 << 14]
+    assert len(big) > 30
 
 
 def test_a_weight_stored_as_bf16_stays_an_nn_linear(
@@ -210,13 +214,16 @@ def test_packed_equals_none_with_the_activation_rounding_in_float64(
     for module in plain.modules():
         if id(module) in sites:  # the sites called as modules (experts, Engram, wo_a)
             module.register_forward_pre_hook(lambda m, args: (rounded(args[0]), *args[1:]))
-    got = forward(packed, IDS).logits
-    want = forward(plain, IDS).logits
+    # 24 rows: more than ACT_SIDE_ROWS, so the CPU path scales the weight tiles (the
+    # decode rows of the engine test below take the activation-side scheme).
+    ids = torch.cat([IDS, IDS + 1])
+    got = forward(packed, ids).logits
+    want = forward(plain, ids).logits
     assert torch.allclose(got, want, rtol=1e-12, atol=1e-12)
     # ...and the rounding is real: without it the paths differ.
     monkeypatch.undo()
     _, plain = load_checkpoint(tiny_dir, dtype=torch.float64, quantization="none")
-    assert (forward(plain.double().eval(), IDS).logits - got).abs().max() > 1e-3
+    assert (forward(plain.double().eval(), ids).logits - got).abs().max() > 1e-3
 
 
 def test_each_packed_linear_is_within_the_activation_rounding_of_none(tiny_dir: Path) -> None:
@@ -260,8 +267,8 @@ def test_each_packed_linear_is_within_the_activation_rounding_of_none(tiny_dir: 
 def test_packed_logits_stay_close_to_none(tiny_dir: Path) -> None:
     """End to end the rounding compounds through 8 layers and discontinuous choices
     (MoE routing, top-k): no derived bound holds there. The paths stay within 15%
-    (relative Frobenius; measured 8% in bf16 and 10% in fp32 on this model)."""
-    for dtype in (torch.bfloat16, torch.float32):
+    (relative Frobenius; measured 8% in bf16 on this model, 10% in fp32)."""
+    for dtype in (torch.bfloat16,):
         _, packed = load_checkpoint(tiny_dir, dtype=dtype)
         _, plain = load_checkpoint(tiny_dir, dtype=dtype, quantization="none")
         got = forward(packed.eval(), IDS).logits.double()
@@ -291,7 +298,7 @@ def test_greedy_tokens_of_the_packed_engine_equal_the_dense_reference(tiny_dir: 
     exactly whatever the near ties of the random tiny model."""
     config = EngineConfig(kv_cache_bytes=8 << 20, max_num_seqs=1, dtype="float64")
     engine = build_engine(config, tiny_dir)
-    prompt = IDS.tolist()
+    prompt = IDS[:6].tolist()
     tokens = _greedy(engine, prompt, 16)
     _, packed = load_checkpoint(tiny_dir, dtype=torch.float64)
     assert len(packed_modules(packed)) > 50
