@@ -136,6 +136,22 @@ def test_a_weight_stored_as_bf16_stays_an_nn_linear(
     assert isinstance(model.get_submodule("layers.0.attn.wq_a"), Fp8Linear)
 
 
+def test_encoder_only_packs_the_kept_layers(
+    tiny_dir: Path, stored: dict[str, torch.Tensor]
+) -> None:
+    _, model = load_checkpoint(tiny_dir, dtype=torch.bfloat16, encoder_only=True)
+    kept = len(model.layers)
+    want = {
+        n
+        for n in _fp8_block_names(stored)
+        if not n.startswith("layers.") or int(n.split(".")[1]) < kept
+    }
+    packed = packed_modules(model)
+    assert {f"{n}.weight" for n in packed} == want
+    for name, module in packed.items():
+        assert torch.equal(_bits(module.weight), _bits(stored[f"{name}.weight"])), name
+
+
 def test_none_dequantises_everything(tiny_dir: Path) -> None:
     _, model = load_checkpoint(tiny_dir, dtype=torch.bfloat16, quantization="none")
     assert packed_modules(model) == {}
