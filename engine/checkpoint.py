@@ -63,6 +63,7 @@ def check_quantization(quantization: str) -> None:
             f"quantization={quantization!r}: expected one of {', '.join(QUANTIZATION_MODES)}"
         )
 
+
 # Tensors the text server does not serve: skipped with one notice per kind.
 SKIPPED_KINDS: dict[str, tuple[str, ...]] = {
     "dspark": ("mtp.",),
@@ -487,6 +488,7 @@ def _tensor_read(entry: _Entry, target: torch.Tensor, shards: _Shards) -> Tensor
 
 # ----------------------------------------------------------------- routed experts
 
+
 def experts_stored_packed(files: dict[str, Path], shards: _Shards) -> bool:
     """True when the checkpoint has routed experts and stores every one as MXFP4 bytes."""
     names = [n for n in files if weight_format(n) is WeightFormat.MXFP4 and not skipped_kind(n)]
@@ -542,6 +544,7 @@ def _packed_expert_reads(entry: _Entry, target: _PackedExpert, shards: _Shards) 
         dtype, shape = shards.header(stored)
         nbytes = math.prod(shape) * _DTYPE_BYTES.get(dtype, 1)
         reads.append(TensorRead(stored, dest.view(torch.uint8), _byte_copy, nbytes))
+    return reads
 
 
 # ----------------------------------------------------------------- packed weights

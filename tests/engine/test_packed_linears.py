@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
-from engine import weight_stream
+from engine import checkpoint, weight_stream
 from engine.builder import build_engine
 from engine.checkpoint import (
     SINGLE_FILE,
@@ -210,7 +210,10 @@ def test_packed_equals_none_with_the_activation_rounding_in_float64(
 ) -> None:
     """The only difference between the paths is the activation rounding at the packed
     linears. Applied to the dequantised model at exactly those sites (float64, where
-    every quantised product and the sums of the tiny model are exact), the two agree."""
+    every quantised product and the sums of the tiny model are exact), the two agree.
+    The routed experts load unpacked on both sides (their packed GEMM, fp32 with its
+    own rounding, is tests/engine/test_checkpoint_experts.py)."""
+    monkeypatch.setattr(checkpoint, "experts_stored_packed", lambda *args: False)
     _, packed = load_checkpoint(tiny_dir, dtype=torch.float64)
     _, plain = load_checkpoint(tiny_dir, dtype=torch.float64, quantization="none")
     packed, plain = packed.double().eval(), plain.double().eval()
@@ -325,7 +328,7 @@ def test_greedy_tokens_of_the_packed_engine_equal_the_dense_reference(tiny_dir: 
 def test_greedy_tokens_packed_equal_none_on_the_trained_demo_model() -> None:
     """The random tiny model's logits are nearly flat (top-2 margins of 0.003 to 0.17
     against a ~0.1 activation-rounding effect), so its greedy tokens cannot be held
-    across the two paths; the trained demo model's can."""
+    across the two paths; the trained demo model's hold for the first tokens."""
     from engine.tokenizer import load_tokenizer
     from training.demo_config import demo_checkpoint_dir
 
@@ -338,5 +341,8 @@ def test_greedy_tokens_packed_equal_none_on_the_trained_demo_model() -> None:
     for quantization in ("auto", "none"):
         config = EngineConfig(kv_cache_bytes=8 << 20, max_num_seqs=1, quantization=quantization)
         tokens[quantization] = _greedy(build_engine(config, demo), prompt, 16)
-    assert tokens["auto"] == tokens["none"]
+    # With the dense linears packed alone all 16 tokens held; with the experts packed
+    # as well the first 12 do (measured), then a near-tie flips. Eight is the bound.
+    same = next((i for i, (a, b) in enumerate(zip(*tokens.values())) if a != b), 16)
+    assert same >= 8, tokens
     assert len(tokens["auto"]) == 16
