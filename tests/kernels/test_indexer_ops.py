@@ -160,6 +160,26 @@ def test_indexer_reference_float64_queries(seed):
     assert ((got - want).abs()[shown] <= 1e-13 * (1 + mag[shown])).all()
 
 
+@pytest.mark.parametrize("budget_rows", [1, 64])
+def test_indexer_reference_rows_alone_on_their_tables(seed, monkeypatch, budget_rows):
+    """Decode-like rows (one per table, ragged contexts): the batched page-block pass.
+
+    ``budget_rows`` 1 makes every block one page wide, so rows drop out of the
+    batch block by block as their contexts end.
+    """
+    monkeypatch.setattr(indexer_ops_module, "_REFERENCE_ROWS", budget_rows)
+    monkeypatch.setattr(indexer_ops_module, "_REFERENCE_COLS", 4)
+    g = torch.Generator().manual_seed(seed)
+    rows, entries, num_pages, n_cols = 5, 4, 6, 21
+    data, scales = index_pages(g, num_pages, entries)
+    block_tables = torch.stack([torch.randperm(num_pages, generator=g) for _ in range(rows)])
+    n_visible = torch.tensor([21, 0, 7, 13, 4])
+    qi = torch.randn(rows, 3, 128, generator=g)
+    w = torch.randn(rows, 3, generator=g)
+    case = (qi, w, data, scales, block_tables, n_visible, n_cols)
+    assert_scores_close(indexer_scores_reference(*case), *oracle_scores(*case))
+
+
 def oracle_block_max(scores: torch.Tensor, block_size: int) -> list[list[float]]:
     rows, cols = scores.shape
     out = []
