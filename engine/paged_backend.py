@@ -17,7 +17,7 @@ import torch
 
 from engine.model.candidates import visible_entries
 from engine.sequence import Sequence
-from kernels.indexer_ops import indexer_scores
+from kernels.indexer_ops import indexer_scores, indexer_scores_at
 from kernels.kv_cache_ops import store_kv_entries
 from kernels.kv_formats import dequantize_swa, quantize_swa
 from kernels.sparse_attention import sparse_attention
@@ -278,6 +278,19 @@ class PagedKV:
             n_cols,
         )
         return scores, visible_entries(self._pos, n_cols, ratio)
+
+    def index_scores_at(
+        self,
+        source_id: int,
+        qi: torch.Tensor,
+        weights: torch.Tensor,
+        scale: float,
+        entries: torch.Tensor,
+    ) -> torch.Tensor:
+        pages = self.pages[source_id]
+        return indexer_scores_at(
+            qi, weights * scale, pages.index_data, pages.index_scales, self._tables, entries
+        )
 
     def attend(
         self,

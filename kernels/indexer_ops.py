@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.dispatch import use_triton
-from kernels.kv_cache_ops import is_raw_bf16, read_index_pages
+from kernels.kv_cache_ops import is_raw_bf16, read_index, read_index_pages
 
 # Reference work sizes: bound the [rows, heads, columns] fp32 dot products.
 _REFERENCE_ROWS = 64
@@ -130,6 +130,33 @@ def _score_rows_batched(
         hidden = cols[None, :] >= n_visible[r][:, None]
         out[r, c0:c1] = scores[:, : c1 - c0].masked_fill(hidden, float("-inf"))
         p += span
+
+
+def indexer_scores_at(
+    qi: torch.Tensor,
+    w: torch.Tensor,
+    index_data: torch.Tensor,
+    index_scales: torch.Tensor,
+    block_tables: torch.Tensor,
+    entries: torch.Tensor,
+) -> torch.Tensor:
+    """``[T, K]``: row t's score of entry ``entries[t, j]`` (``-inf`` where it is -1).
+
+    The scores of a few listed entries per row (a Reindex layer's candidates),
+    reading only their keys: the work is ``T x K``, whatever the context.
+    Same formula and dtype as ``indexer_scores``. PyTorch ops on any device
+    (K is small; no Triton kernel needed).
+    """
+    dt = torch.promote_types(qi.dtype, torch.float32)
+    if entries.numel() == 0:
+        return torch.full(entries.shape, float("-inf"), dtype=dt, device=qi.device)
+    E = index_data.shape[1]
+    j = entries.clamp(min=0)
+    pages = block_tables.gather(1, torch.div(j, E, rounding_mode="floor"))
+    k = read_index(index_data, index_scales, pages, j % E).to(dt)  # [T, K, 128]
+    dots = torch.einsum("thd,tkd->thk", qi.to(dt), k)
+    scores = (dots.relu() * w.to(dt)[:, :, None]).sum(dim=1)
+    return scores.masked_fill(entries < 0, float("-inf"))
 
 
 def block_max(scores: torch.Tensor, block_size: int) -> torch.Tensor:
