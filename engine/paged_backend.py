@@ -151,15 +151,17 @@ class PagedKV:
         """
         W = self.window
         records = quantize_swa(kv)
-        stored = dequantize_swa(records).to(kv.dtype)
         keys = kv.new_zeros(kv.shape[0], W, kv.shape[1])
         valid = torch.zeros(kv.shape[0], W, dtype=torch.bool, device=kv.device)
         singles = [s for s in self.segments if s.rows == 1]
         if singles:
             self._decode_windows(layer_id, singles, records, keys, valid)
+        stored = None  # the round trip of this step's rows: only chunks read it
         for seg in self.segments:
             if seg.rows == 1:
                 continue
+            if stored is None:
+                stored = dequantize_swa(records).to(kv.dtype)
             ring = self.states.swa_window(layer_id, seg.seq.seq_id)
             start = seg.seq.layer_starts[layer_id]
             first = max(start, seg.start - W + 1)
