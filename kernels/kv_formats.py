@@ -196,9 +196,24 @@ def dequantize_index_key(rec: torch.Tensor) -> torch.Tensor:
 def dequantize_index_key_parts(data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """``dequantize_index_key`` of keys kept as separate data ``[..., 64]`` and scale
     ``[..., 4]`` bytes (the page views): no joined record is built."""
-    values = e2m1_decode_packed(data).reshape(-1, 4, 32)
-    out = values * e8m0_decode(scales.reshape(-1, 4))[..., None]
-    return out.reshape(*data.shape[:-1], 128)
+    # One gather per byte from a 256 x 256 table of (scale byte, data byte) -> both
+    # values already multiplied by the scale: the products the two-step decode
+    # forms, computed once, so decoding is one pass (the indexer reads every
+    # visible key per step).
+    table = _INDEX_KEY_TABLES.get(data.device)
+    if table is None:
+        every = torch.arange(256, dtype=torch.uint8, device=data.device)
+        pairs = e2m1_decode_packed(every[:, None])  # [256, 2]
+        products = pairs[None, :, :] * e8m0_decode(every)[:, None, None]  # [scale, byte, 2]
+        table = products.contiguous().view(torch.int64).view(-1)
+        _INDEX_KEY_TABLES[data.device] = table
+    n = data.reshape(-1, 64).shape[0]
+    at = (scales.reshape(n, 4, 1).to(torch.int32) << 8) | data.reshape(n, 4, 16).to(torch.int32)
+    out = torch.index_select(table, 0, at.view(-1)).view(torch.float32)
+    return out.view(*data.shape[:-1], 128)
+
+
+_INDEX_KEY_TABLES: dict[torch.device, torch.Tensor] = {}
 
 
 def fake_quant_index_key(x: torch.Tensor) -> torch.Tensor:
