@@ -83,9 +83,12 @@ def read_index_pages(
     Whole pages are gathered (one row copy per page, not one per entry) and
     decoded from the page views directly.
     """
+    flat = pages.reshape(-1)
+    data = index_data.index_select(0, flat).view(*pages.shape, *index_data.shape[1:])
     if is_raw_bf16(index_scales):
-        return index_data[pages].view(torch.bfloat16).float()
-    return dequantize_index_key_parts(index_data[pages], index_scales[pages])
+        return data.view(torch.bfloat16).float()
+    scales = index_scales.index_select(0, flat).view(*pages.shape, *index_scales.shape[1:])
+    return dequantize_index_key_parts(data, scales)
 
 
 # ----------------------------------------------------------------- store
