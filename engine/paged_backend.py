@@ -70,16 +70,28 @@ class PagedKV:
         self.device = device
         self._pos = torch.cat([torch.arange(s.start, s.end) for s in segments]).to(device)
         self._tables = _row_block_tables(segments, device)
-        # Engram reads each row's last n-gram of token ids; built once per step.
+        # Engram reads each row's last n-gram of token ids; built once per step from
+        # the tokens the step can reach (its rows and a short history before them),
+        # not the whole context: ``(first position, ids)`` per sequence.
         self._token_ids = {
-            s.seq.seq_id: torch.tensor(s.seq.token_ids[: s.end], device=device) for s in segments
+            s.seq.seq_id: _token_span(
+                s.seq.token_ids, max(0, s.start - _TOKEN_HISTORY), s.end, device
+            )
+            for s in segments
         }
         self._swa: tuple[torch.Tensor, torch.Tensor] | None = None  # this layer's windows
         self._group_pages: torch.Tensor | None = None  # pages of the entries being stored
         self._may_cut = self._any_below(lambda s: s.seq.layer_starts[-1])
 
     def input_ids(self) -> torch.Tensor:
-        return torch.cat([self._token_ids[s.seq.seq_id][s.start : s.end] for s in self.segments])
+        return torch.cat([self._ids(s, s.start) for s in self.segments])
+
+    def _ids(self, seg: Segment, lo: int) -> torch.Tensor:
+        """Token ids at positions ``[lo, seg.end)`` of the segment's sequence."""
+        first, ids = self._token_ids[seg.seq.seq_id]
+        if lo < first:  # further back than the history kept: read the list
+            return _token_span(seg.seq.token_ids, lo, seg.end, self.device)[1]
+        return ids[lo - first : seg.end - first]
 
     # ------------------------------------------------------------ rows
     @property
@@ -112,9 +124,8 @@ class PagedKV:
     def token_windows(self, n: int) -> torch.Tensor:
         out = []
         for seg in self.segments:
-            ids = self._token_ids[seg.seq.seq_id]
             lo = seg.start - (n - 1)
-            window = ids[max(0, lo) : seg.end]
+            window = self._ids(seg, max(0, lo))
             if lo < 0:
                 window = torch.cat([window.new_full((-lo,), -1), window])
             out.append(window.unfold(0, n, 1))
@@ -328,6 +339,16 @@ class PagedKV:
             sink,
             scale,
         )
+
+
+# Token positions kept before each segment's first row (Engram's n-grams reach n - 1 back).
+_TOKEN_HISTORY = 16
+
+
+def _token_span(
+    token_ids: list[int], lo: int, hi: int, device: torch.device
+) -> tuple[int, torch.Tensor]:
+    return lo, torch.tensor(token_ids[lo:hi], dtype=torch.long, device=device)
 
 
 def _row_block_tables(segments: list[Segment], device: torch.device) -> torch.Tensor:
