@@ -1,0 +1,223 @@
+"""The engine core process: the scheduling + model loop, alone with its GIL.
+
+``run_core`` is the process's main (started by ``EngineCoreClient`` with the
+``spawn`` method). It builds the engine, says ``ReadyMsg``, then loops:
+take every queued message, run one step, send one ``StepMsg`` with all of
+that step's outputs and the stats snapshot. Idle, it waits on its socket and
+sends a heartbeat every ``IDLE_BEAT_S`` (so the API side can tell a live idle
+core from a wedged one). The API process owns the socket files; the core
+connects to them.
+
+The core ignores SIGINT and SIGTERM: the API process drives its shutdown
+(``ShutdownMsg``: flush the SSD tier, exit), and a Ctrl-C on the terminal must
+not kill it mid-step. If the API process dies without saying so, the core
+notices its parent is gone and exits.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import zmq
+from tokenizers import Tokenizer
+
+from engine import core_protocol as wire
+from engine.engine_config import EngineConfig
+from engine.llm_engine import LLMEngine
+
+logger = logging.getLogger(__name__)
+
+IDLE_BEAT_S = 0.25
+# A busy core sends a StepMsg at least this often even when a step made no output
+# (long prefill chunks): the API side's heartbeat and stats stay fresh.
+BUSY_BEAT_S = 0.1
+
+
+_TOKENIZER: list[object] = []  # this process's engine's tokenizer, once loaded
+
+
+def core_tokenizer() -> Tokenizer | None:
+    """The tokenizer of the engine this core process runs (what an unpickled mask
+    provider rebuilds its vocabulary view from); None outside a core."""
+    return _TOKENIZER[0] if _TOKENIZER else None  # type: ignore[return-value]
+
+
+@dataclass(frozen=True, slots=True)
+class CoreSpec:
+    """What a core process needs to start (picklable: it crosses the spawn)."""
+
+    config: EngineConfig
+    model: str
+    encoder_only: bool
+    to_core: str  # zmq address the core reads from
+    from_core: str  # zmq address the core writes to
+    parent_pid: int
+    torch_threads: int | None = None
+
+
+@dataclass(slots=True)
+class _Core:
+    engine: LLMEngine
+    out: zmq.Socket
+    send_lock: threading.Lock = field(default_factory=threading.Lock)
+    applied_seqs: int = 0
+    publish_timeouts: dict[str, float | None] = field(default_factory=dict)
+    last_sent: float = 0.0
+
+    parent_pid: int = 0
+
+    def send(self, msg: object) -> None:
+        """Send, never blocking for good: a send that times out (the API process stopped
+        reading) is retried while that process lives, and the core exits once it is gone."""
+        data = wire.ENCODER.encode(msg)
+        with self.send_lock:  # publish waiters send from their own threads
+            while True:
+                try:
+                    self.out.send(data, copy=False)
+                    return
+                except zmq.Again:
+                    if os.getppid() != self.parent_pid:
+                        raise SystemExit("the API process is gone") from None
+
+
+def run_core(spec: CoreSpec) -> None:
+    """Main of the engine core process."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=logging.INFO, format="flashserve-core: %(levelname)s %(message)s")
+    if spec.torch_threads is not None:
+        import torch
+
+        torch.set_num_threads(spec.torch_threads)
+    ctx = zmq.Context()
+    inbox = ctx.socket(zmq.PULL)
+    inbox.connect(spec.to_core)
+    out = ctx.socket(zmq.PUSH)
+    out.setsockopt(zmq.LINGER, 2000)
+    out.setsockopt(zmq.SNDTIMEO, 1000)
+    out.connect(spec.from_core)
+    core: _Core | None = None
+    try:
+        from engine.builder import build_engine
+
+        model = spec.model if spec.model == "tiny" else Path(spec.model)
+        engine = build_engine(spec.config, model, encoder_only=spec.encoder_only)
+        core = _Core(engine, out, parent_pid=spec.parent_pid)
+        tokenizer = engine.tokenizer
+        if tokenizer is not None:
+            _TOKENIZER.append(tokenizer)
+        core.send(
+            wire.ReadyMsg(
+                limits=engine.limits(),
+                eos_token_id=engine.eos_token_id,
+                tokenizer_json=None if tokenizer is None else tokenizer.to_str(),
+                stats=engine.stats(),
+            )
+        )
+        _loop(core, inbox, spec.parent_pid)
+    except BaseException as exc:  # whatever it was, the API side must hear
+        logger.exception("engine core failed")
+        msg = wire.DeadMsg(f"engine core failed: {exc!r}")
+        if core is not None:
+            core.send(msg)
+        else:
+            out.send(wire.ENCODER.encode(msg))
+        _close(core, ctx)
+        os._exit(1)
+    _close(core, ctx)
+
+
+def _close(core: _Core | None, ctx: zmq.Context) -> None:
+    if core is not None:
+        try:
+            core.engine.close()  # flush the SSD tier's write-behind
+        except Exception:
+            logger.exception("closing the KV tier failed")
+    ctx.destroy(linger=2000)
+
+
+def _loop(core: _Core, inbox: zmq.Socket, parent_pid: int) -> None:
+    engine = core.engine
+    poller = zmq.Poller()
+    poller.register(inbox, zmq.POLLIN)
+    while True:
+        if os.getppid() != parent_pid:
+            logger.error("the API process is gone; the engine core exits")
+            return
+        if not engine.has_unfinished_requests() and not poller.poll(IDLE_BEAT_S * 1000):
+            core.send(wire.StepMsg([], engine.stats(), core.applied_seqs))
+            continue
+        if not _drain(core, inbox):
+            return
+        outputs = engine.step() if engine.has_unfinished_requests() else []
+        now = time.monotonic()
+        if outputs or now - core.last_sent >= BUSY_BEAT_S:
+            core.last_sent = now
+            core.send(
+                wire.StepMsg(
+                    [wire.wire_output(o) for o in outputs], engine.stats(), core.applied_seqs
+                )
+            )
+        for out in outputs:
+            if out.published_pages is not None:
+                _wait_published(core, out.request_id, out.published_pages)
+
+
+def _drain(core: _Core, inbox: zmq.Socket) -> bool:
+    """Apply every queued message; False on shutdown."""
+    while True:
+        try:
+            data = inbox.recv(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return True
+        msg = wire.TO_CORE.decode(data.buffer)
+        if isinstance(msg, wire.ShutdownMsg):
+            return False
+        if isinstance(msg, wire.AbortMsg):
+            core.engine.abort(msg.request_id, report=msg.report)
+            core.publish_timeouts.pop(msg.request_id, None)
+            continue
+        core.applied_seqs += msg.num_seqs
+        try:
+            core.engine.add_request(wire.request_of(msg))
+        except Exception as exc:  # validated already in the API process; a bug otherwise
+            core.send(wire.StepMsg([_failed(msg, exc)], core.engine.stats(), core.applied_seqs))
+            continue
+        if msg.prefill_only:
+            core.publish_timeouts[msg.request_id] = msg.publish_timeout
+
+
+def _failed(msg: wire.AddMsg, exc: BaseException) -> wire.WireOutput:
+    from engine.request import RequestMetrics, Usage
+
+    return wire.WireOutput(
+        request_id=msg.request_id,
+        outputs=[],
+        finished=True,
+        usage=Usage(prompt_tokens=len(msg.prompt_token_ids)),
+        metrics=RequestMetrics(arrival_time=msg.arrival_time),
+        prompt_logprobs=None,
+        published_pages=None,
+        error=wire.wire_error(exc, adding=True),
+    )
+
+
+def _wait_published(core: _Core, request_id: str, chain: list[bytes]) -> None:
+    """Wait for a prefill's SSD writes off the loop; then tell the API side."""
+    timeout = core.publish_timeouts.pop(request_id, None)
+
+    def wait() -> None:
+        try:
+            pages = core.engine.kv.wait_published(chain, timeout)
+        except Exception:
+            logger.exception("waiting for published pages failed")
+            pages = 0
+        core.send(wire.PublishedMsg(request_id, pages))
+
+    threading.Thread(target=wait, name="flashserve-publish", daemon=True).start()
