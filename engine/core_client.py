@@ -318,6 +318,12 @@ class EngineCoreClient:
             msg = wire.FROM_CORE.decode(self._in.recv(copy=False).buffer)
             if isinstance(msg, wire.StepMsg):
                 self._on_step(msg)
+            elif isinstance(msg, wire.QueueMsg):
+                with self._lock:
+                    self._stats = dataclasses.replace(
+                        self._stats, running=msg.running, waiting=msg.waiting
+                    )
+                    self._applied_seqs = msg.applied_seqs
             elif isinstance(msg, wire.PublishedMsg):
                 self._on_published(msg)
             elif isinstance(msg, wire.DeadMsg):

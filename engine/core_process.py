@@ -30,6 +30,7 @@ from tokenizers import Tokenizer
 from engine import core_protocol as wire
 from engine.engine_config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.request import RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +70,18 @@ class _Core:
     applied_seqs: int = 0
     publish_timeouts: dict[str, float | None] = field(default_factory=dict)
     last_sent: float = 0.0
+    queue_reported: tuple[int, int] = (0, 0)
+
+    def send_step(self, outputs: list[RequestOutput]) -> None:
+        stats = self.engine.stats()
+        self.queue_reported = (stats.running, stats.waiting)
+        self.send(wire.StepMsg([wire.wire_output(o) for o in outputs], stats, self.applied_seqs))
+
+    def report_queue(self) -> None:
+        lengths = self.engine.queue_lengths()
+        if lengths != self.queue_reported:
+            self.queue_reported = lengths
+            self.send(wire.QueueMsg(*lengths, self.applied_seqs))
 
     parent_pid: int = 0
 
@@ -109,6 +122,7 @@ def run_core(spec: CoreSpec) -> None:
         model = spec.model if spec.model == "tiny" else Path(spec.model)
         engine = build_engine(spec.config, model, encoder_only=spec.encoder_only)
         core = _Core(engine, out, parent_pid=spec.parent_pid)
+        engine.on_scheduled = core.report_queue
         tokenizer = engine.tokenizer
         if tokenizer is not None:
             _TOKENIZER.append(tokenizer)
@@ -151,7 +165,7 @@ def _loop(core: _Core, inbox: zmq.Socket, parent_pid: int) -> None:
             logger.error("the API process is gone; the engine core exits")
             return
         if not engine.has_unfinished_requests() and not poller.poll(IDLE_BEAT_S * 1000):
-            core.send(wire.StepMsg([], engine.stats(), core.applied_seqs))
+            core.send_step([])
             continue
         if not _drain(core, inbox):
             return
@@ -159,11 +173,7 @@ def _loop(core: _Core, inbox: zmq.Socket, parent_pid: int) -> None:
         now = time.monotonic()
         if outputs or now - core.last_sent >= BUSY_BEAT_S:
             core.last_sent = now
-            core.send(
-                wire.StepMsg(
-                    [wire.wire_output(o) for o in outputs], engine.stats(), core.applied_seqs
-                )
-            )
+            core.send_step(outputs)
         for out in outputs:
             if out.published_pages is not None:
                 _wait_published(core, out.request_id, out.published_pages)

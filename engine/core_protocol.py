@@ -99,6 +99,15 @@ class StepMsg(msgspec.Struct, tag="step", array_like=True):
     applied_seqs: int  # cumulative sequences of AddMsgs the core has taken
 
 
+class QueueMsg(msgspec.Struct, tag="queue", array_like=True):
+    """Running and waiting sequences just after a step was scheduled (sent when they
+    changed), so ``/metrics`` does not wait for a long step's end to see admissions."""
+
+    running: int
+    waiting: int
+    applied_seqs: int
+
+
 class PublishedMsg(msgspec.Struct, tag="published", array_like=True):
     """A prefill-only request's pages: how many of its chain are durable on SSD."""
 
@@ -112,7 +121,7 @@ class DeadMsg(msgspec.Struct, tag="dead", array_like=True):
     message: str
 
 
-FromCore = ReadyMsg | StepMsg | PublishedMsg | DeadMsg
+FromCore = ReadyMsg | StepMsg | QueueMsg | PublishedMsg | DeadMsg
 
 ENCODER = msgspec.msgpack.Encoder()
 TO_CORE = msgspec.msgpack.Decoder(ToCore)

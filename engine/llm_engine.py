@@ -137,6 +137,9 @@ class LLMEngine:
         self._requests: dict[str, _RequestState] = {}
         self._seq_ids = itertools.count()
         self._pending_outputs: list[RequestOutput] = []
+        # Called once per step between scheduling and the model: an engine core in its
+        # own process reports queue lengths here, before a long forward.
+        self.on_scheduled: Callable[[], None] | None = None
 
     @classmethod
     def build(
@@ -300,6 +303,8 @@ class LLMEngine:
         started = time.perf_counter()
         outputs, self._pending_outputs = self._pending_outputs, []
         batch = self.scheduler.schedule()
+        if self.on_scheduled is not None:
+            self.on_scheduled()
         if not batch:
             return outputs
         t0 = time.perf_counter()
