@@ -487,7 +487,11 @@ def run(args: argparse.Namespace) -> int:
                 print(f"flashserve serve: {exc}", file=sys.stderr)
                 return 1
     fingerprint = "fp_" + checkpoint_fingerprint(path)[:10]
-    where = "in this process" if isinstance(engine, AsyncEngine) else f"in process {engine.pid}"
+    where = (
+        "in this process"
+        if isinstance(engine, AsyncEngine)
+        else f"in process {engine.pid}, sockets in {engine.socket_dir}"
+    )
     _say(f"engine ready in {time.monotonic() - started:.1f} s ({where})")
     # uvicorn stops gracefully on SIGINT/SIGTERM, then re-raises the signal. SIGTERM's
     # default action would kill the process before the engine flushes its SSD tier.
