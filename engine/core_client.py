@@ -37,7 +37,7 @@ from tokenizers import Tokenizer
 
 from engine import core_protocol as wire
 from engine.async_engine import AsyncEngine, EngineDeadError, PrefillResult, RequestFailedError
-from engine.core_process import CoreSpec, run_core
+from engine.core_process import CoreSpec, log_levels, run_core
 from engine.engine_config import EngineConfig
 from engine.llm_engine import EngineStats
 from engine.request import Request, RequestError, RequestOutput
@@ -100,6 +100,7 @@ class EngineCoreClient:
             from_core=f"ipc://{self._dir}/from-core",
             parent_pid=os.getpid(),
             torch_threads=torch_threads,
+            log_levels=log_levels(),
         )
         self._proc = multiprocessing.get_context("spawn").Process(
             target=run_core, args=(spec,), name="flashserve-engine-core", daemon=True

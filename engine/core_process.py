@@ -60,6 +60,20 @@ class CoreSpec:
     from_core: str  # zmq address the core writes to
     parent_pid: int
     torch_threads: int | None = None
+    log_levels: dict[str, int] = field(default_factory=dict)  # "" = the root logger
+
+
+LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"  # flashserve's CLI format
+
+
+def log_levels() -> dict[str, int]:
+    """This process's root level and the levels set on the project's loggers."""
+    levels = {"": logging.getLogger().level}
+    for name, lg in logging.root.manager.loggerDict.items():
+        ours = name.split(".", 1)[0] in ("engine", "kvstore", "kernels")
+        if ours and isinstance(lg, logging.Logger) and lg.level != logging.NOTSET:
+            levels[name] = lg.level
+    return levels
 
 
 @dataclass(slots=True)
@@ -109,7 +123,11 @@ def run_core(spec: CoreSpec) -> None:
     machine), so the two modes must be laid out alike to compare them."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=logging.INFO, format="flashserve-core: %(levelname)s %(message)s")
+    # The API process's logging, so the core's lines read like the rest of the server's.
+    logging.basicConfig(level=spec.log_levels.get("", logging.WARNING), format=LOG_FORMAT)
+    for name, level in spec.log_levels.items():
+        if name:
+            logging.getLogger(name).setLevel(level)
     if spec.torch_threads is not None:
         import torch
 
