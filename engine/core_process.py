@@ -40,13 +40,13 @@ IDLE_BEAT_S = 0.25
 BUSY_BEAT_S = 0.1
 
 
-_TOKENIZER: list[object] = []  # this process's engine's tokenizer, once loaded
+_TOKENIZER: list[Tokenizer] = []  # this process's engine's tokenizer, once loaded
 
 
 def core_tokenizer() -> Tokenizer | None:
     """The tokenizer of the engine this core process runs (what an unpickled mask
     provider rebuilds its vocabulary view from); None outside a core."""
-    return _TOKENIZER[0] if _TOKENIZER else None  # type: ignore[return-value]
+    return _TOKENIZER[0] if _TOKENIZER else None
 
 
 @dataclass(frozen=True, slots=True)
