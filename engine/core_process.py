@@ -200,7 +200,7 @@ def _loop(core: _Core, inbox: zmq.Socket, parent_pid: int) -> None:
         if os.getppid() != parent_pid:
             logger.error("the API process is gone; the engine core exits")
             return
-        if not engine.has_unfinished_requests() and not poller.poll(IDLE_BEAT_S * 1000):
+        if not engine.has_unfinished_requests() and not poller.poll(int(IDLE_BEAT_S * 1000)):
             core.send_step([])
             continue
         if not _drain(core, inbox):
