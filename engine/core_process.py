@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import threading
 import time
@@ -162,7 +163,10 @@ def run_core(spec: CoreSpec) -> None:
 
         def loop() -> None:
             try:
-                _loop(core, inbox, spec.parent_pid)
+                if not _loop(core, inbox, spec.parent_pid):
+                    # Nobody is left to remove the socket files: the core does.
+                    sockets = Path(spec.to_core.removeprefix("ipc://")).parent
+                    shutil.rmtree(sockets, ignore_errors=True)
             except BaseException as exc:
                 failure.append(exc)
 
@@ -174,10 +178,13 @@ def run_core(spec: CoreSpec) -> None:
     except BaseException as exc:  # whatever it was, the API side must hear
         logger.exception("engine core failed", exc_info=exc)
         msg = wire.DeadMsg(f"engine core failed: {exc!r}")
-        if core is not None:
-            core.send(msg)
-        else:
-            out.send(wire.ENCODER.encode(msg))
+        try:
+            if core is not None:
+                core.send(msg)
+            else:
+                out.send(wire.ENCODER.encode(msg))
+        except (SystemExit, zmq.ZMQError):  # the API process is gone too
+            shutil.rmtree(Path(spec.to_core.removeprefix("ipc://")).parent, ignore_errors=True)
         _close(core, ctx)
         os._exit(1)
     _close(core, ctx)
@@ -192,19 +199,20 @@ def _close(core: _Core | None, ctx: zmq.Context) -> None:
     ctx.destroy(linger=2000)
 
 
-def _loop(core: _Core, inbox: zmq.Socket, parent_pid: int) -> None:
+def _loop(core: _Core, inbox: zmq.Socket, parent_pid: int) -> bool:
+    """Serve until shutdown (True) or until the API process is gone (False)."""
     engine = core.engine
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
     while True:
         if os.getppid() != parent_pid:
             logger.error("the API process is gone; the engine core exits")
-            return
+            return False
         if not engine.has_unfinished_requests() and not poller.poll(int(IDLE_BEAT_S * 1000)):
             core.send_step([])
             continue
         if not _drain(core, inbox):
-            return
+            return True
         outputs = engine.step() if engine.has_unfinished_requests() else []
         now = time.monotonic()
         if outputs or now - core.last_sent >= BUSY_BEAT_S:
