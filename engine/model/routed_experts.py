@@ -91,6 +91,14 @@ def group_by_expert(weights: torch.Tensor, idx: torch.Tensor, n_experts: int) ->
 class RoutedExperts(nn.Module):
     """The ``n_experts`` routed experts of one MoE layer (``layers.L.ffn.experts``)."""
 
+    # Registered in __init__ as parameters (unpacked) or buffers (packed).
+    w1: torch.Tensor
+    w2: torch.Tensor
+    w3: torch.Tensor
+    w1_scale: torch.Tensor
+    w2_scale: torch.Tensor
+    w3_scale: torch.Tensor
+
     def __init__(self, n_experts: int, dim: int, inter_dim: int, swiglu_limit: float) -> None:
         super().__init__()
         self.n_experts, self.dim, self.inter_dim = n_experts, dim, inter_dim
