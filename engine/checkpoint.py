@@ -29,6 +29,7 @@ from engine.model.config import ModelConfig
 from engine.model.engram import Engram, build_compressed_vocab, tables_on_meta
 from engine.model.engram_table import MappedEngramTable, tensor_span
 from engine.model.model import DeepseekV41
+from engine.model.parallel import SINGLE, Parallel, expert_of, tp_split_dim
 from engine.model.routed_experts import SCALE, RoutedExperts, packed_experts
 from engine.tokenizer import load_tokenizer
 from engine.weight_stream import TensorRead, stream_into
@@ -368,6 +369,7 @@ def empty_model(
     device: str | torch.device = "cpu",
     engram_tables_on_meta: bool = False,
     quantization: str = "none",
+    parallel: Parallel = SINGLE,
 ) -> DeepseekV41:
     """``DeepseekV41`` on ``device`` with uninitialised parameters in ``dtype``.
 
@@ -378,6 +380,7 @@ def empty_model(
     Engram tables get no memory (the loader maps them from the checkpoint).
     ``quantization``: ``"auto"`` builds the routed experts packed (MXFP4 bytes,
     engine/model/routed_experts.py), ``"none"`` unpacked in ``dtype``.
+    ``parallel``: only this rank's TP and EP shares (engine/model/parallel.py).
     """
     check_quantization(quantization)
     previous = torch.get_default_dtype()
@@ -390,7 +393,7 @@ def empty_model(
                 stack.enter_context(tables_on_meta())
             if quantization == "auto":
                 stack.enter_context(packed_experts())
-            return DeepseekV41(config)
+            return DeepseekV41(config, parallel)
     finally:
         torch.set_default_dtype(previous)
 
@@ -497,7 +500,7 @@ def packed_expert_targets(
             continue
         for name, (n_experts, rows, cols) in module.shapes().items():
             for e in range(n_experts):
-                key = f"{prefix}.{e}.{name}.weight"
+                key = f"{prefix}.{module.first + e}.{name}.weight"
                 if key not in targets:  # a layer this load leaves out
                     continue
                 del targets[scale_name(key)]
@@ -535,6 +538,7 @@ def load_checkpoint(
     engram_mmap: bool | None = None,
     progress: bool | None = None,
     quantization: str = "auto",
+    parallel: Parallel = SINGLE,
 ) -> tuple[ModelConfig, DeepseekV41]:
     """Read ``config.json``, the weights and the Engram vocabulary of ``path`` into a model.
 
@@ -547,7 +551,10 @@ def load_checkpoint(
     is in ``state_dict``); None: when they exceed ``ENGRAM_MMAP_MIN_BYTES``.
     ``quantization``: ``"auto"`` keeps the routed experts packed (their stored
     MXFP4 bytes, copied as they are) when the checkpoint stores them so;
-    ``"none"`` dequantises them at load into ``dtype``."""
+    ``"none"`` dequantises them at load into ``dtype``.
+    ``parallel``: load this rank's shares only (docs/design/parallelism.md): its
+    EP experts (the others' tensors are not read) and its TP slices of the split
+    tensors (rows read as a slice; column splits read whole rows, then cut)."""
     check_quantization(quantization)
     path = Path(path)
     config = ModelConfig.from_json(path / "config.json")
@@ -564,6 +571,7 @@ def load_checkpoint(
         device=device,
         engram_tables_on_meta=engram_mmap,
         quantization=expert_quantization,
+        parallel=parallel,
     )
     decoder: tuple[str, ...] = ()
     if encoder_only:
@@ -573,10 +581,19 @@ def load_checkpoint(
     def decoder_layer(name: str) -> str | None:
         return "decoder-layer" if decoder and name.startswith(decoder) else None
 
+    first, stop = parallel.experts(config.n_routed_experts)
+
+    def left_out(name: str) -> str | None:
+        expert = expert_of(name)
+        if expert is not None and not first <= expert < stop:
+            return "other-rank-expert"
+        return decoder_layer(name)
+
     targets = model.state_dict(keep_vars=True)
     packed = packed_expert_targets(model, targets)
+    tp_shards = tp_shard_targets(targets, parallel)
     with _Shards(files) as shards, torch.no_grad():
-        entries, skipped = _plan(targets, files, shards, decoder_layer)
+        entries, skipped = _plan(targets, files, shards, left_out)
         absent = [n for n in targets if optional_tensor(n) and n not in files]
         for name in absent:
             targets[name].zero_()
@@ -590,6 +607,9 @@ def load_checkpoint(
             if entry.name in packed:
                 reads.extend(_packed_expert_reads(entry, packed[entry.name], shards))
                 continue
+            if entry.name in tp_shards:
+                reads.append(_tp_shard_read(entry, tp_shards[entry.name], shards))
+                continue
             reads.append(_tensor_read(entry, targets[entry.name], shards))
     # After the headers' handles are closed: only the shard being read stays mapped.
     stream_into(reads, files, progress=progress, label=str(path))
@@ -601,3 +621,73 @@ def load_checkpoint(
         else:
             logger.warning("%s has no %s: Engram token classes left unset", path, TOKENIZER_FILE)
     return config, model
+
+
+# ----------------------------------------------------------------- tensor-parallel shards
+
+
+@dataclass(frozen=True, slots=True)
+class _TPShard:
+    """Where one TP-split tensor's slice goes: stored ``[start, stop)`` along ``dim``."""
+
+    target: torch.Tensor  # this rank's parameter
+    dim: int
+    start: int
+    stop: int
+
+
+def tp_shard_targets(targets: dict[str, torch.Tensor], parallel: Parallel) -> dict[str, _TPShard]:
+    """Take the TP-split entries (``engine.model.parallel.TP_SPLIT``) out of ``targets``.
+
+    Each is replaced by a ``meta`` placeholder of the stored (whole) shape, so
+    ``_plan`` checks the checkpoint exactly as for one process.
+    """
+    out: dict[str, _TPShard] = {}
+    if parallel.tp_size == 1:
+        return out
+    for name, target in list(targets.items()):
+        dim = tp_split_dim(name)
+        if dim is None:
+            continue
+        part = target.shape[dim]
+        whole = list(target.shape)
+        whole[dim] = part * parallel.tp_size
+        start = parallel.tp_rank * part
+        out[name] = _TPShard(target, dim, start, start + part)
+        targets[name] = torch.empty(whole, dtype=target.dtype, device="meta")
+    return out
+
+
+def _tp_shard_read(entry: _Entry, shard: _TPShard, shards: _Shards) -> TensorRead:
+    """Rows ``[start, stop)`` read as a slice (on FP8 block boundaries, with their
+    scales), or whole rows dequantised and cut to columns ``[start, stop)``."""
+    fmt = entry.quantised
+    scale = scale_name(entry.name) if fmt else None
+    block = QUANT_BLOCK if fmt is WeightFormat.FP8_BLOCK else 1
+    start, stop = shard.start, shard.stop
+
+    def stored_bytes(name: str, rows: int | None) -> int:
+        dtype, shape = shards.header(name)
+        n = math.prod(shape) if rows is None else rows * math.prod(shape[1:])
+        return n * _DTYPE_BYTES.get(dtype, 1)
+
+    if shard.dim == 0:
+        if start % block:
+            raise CheckpointError(
+                entry.name, f"TP shard starts at row {start}, not on a {block}-row FP8 block"
+            )
+        nbytes = stored_bytes(entry.name, stop - start)
+        if scale is not None:
+            nbytes += stored_bytes(scale, math.ceil(stop / block) - start // block)
+
+        def convert(weight: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+            return dequantize(fmt, weight, scales, torch.float32)
+
+        return TensorRead(entry.name, shard.target, convert, nbytes, scale, block, row_offset=start)
+
+    nbytes = stored_bytes(entry.name, None) + (stored_bytes(scale, None) if scale else 0)
+
+    def columns(weight: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+        return dequantize(fmt, weight, scales, torch.float32)[:, start:stop]
+
+    return TensorRead(entry.name, shard.target, columns, nbytes, scale, block)
