@@ -62,6 +62,8 @@ class Sizes:
     entries_per_page: int = 64
     store_entries: int = 4096
     candidate_block_size: int = 8
+    linear_n: int = 4096  # packed FP8 linear: output features (ragged N allowed)
+    linear_k: int = 4096  # input features, a multiple of 32
 
 
 def bench_ms(fn: Callable[[], object]) -> float:
@@ -229,6 +231,22 @@ def bench_indexer(sz: Sizes, dev: torch.device, copy_bps: float) -> list[Result]
     return out
 
 
+def bench_fp8_linear(sz: Sizes, dev: torch.device, copy_bps: float) -> Result:
+    """The packed FP8 linear at decode batch ``rows``: bf16 activations, E4M3 weights."""
+    from kernels.fp8_gemm import fp8_linear_cpu
+    from kernels.triton.fp8_gemm import fp8_linear_triton
+    from kernels.weight_formats import quantize_fp8_block
+
+    t, n, k = sz.rows, sz.linear_n, sz.linear_k
+    weight, scale = quantize_fp8_block(torch.randn(n, k, device=dev) * 0.02)
+    x = torch.randn(t, k, device=dev, dtype=torch.bfloat16)
+    err = rel_err(fp8_linear_triton(x, weight, scale), fp8_linear_cpu(x, weight, scale))
+    tri = bench_ms(lambda: fp8_linear_triton(x, weight, scale))
+    ref = bench_ms(lambda: fp8_linear_cpu(x, weight, scale))
+    nbytes = weight.numel() + scale.numel() + x.numel() * 2 + t * n * 2
+    return record("fp8_linear", f"T={t} N={n} K={k}", tri, ref, nbytes, copy_bps, err)
+
+
 # Largest accepted error per op: mismatched bytes for the store, else rel_err.
 TOLERANCE = {
     "store_kv_entries": 0.0,  # bytes must match exactly
@@ -237,6 +255,7 @@ TOLERANCE = {
     "block_max": 0.0,
     "sparse_attention": 2**-7,  # bf16 output (plus tf32 rounding of the probabilities)
     "indexer_scores": 1e-4,  # fp32 sums in another order
+    "fp8_linear": 2**-7,  # bf16 output; fp32 sums in another order
 }
 
 
@@ -246,6 +265,7 @@ def run_all(sz: Sizes, dev: torch.device, copy_bps: float) -> list[Result]:
     results.append(bench_attention(sz, sz.rows, dev, copy_bps))
     results.append(bench_attention(sz, 2, dev, copy_bps))  # few rows: split-K
     results += bench_indexer(sz, dev, copy_bps)
+    results.append(bench_fp8_linear(sz, dev, copy_bps))
     return results
 
 

@@ -37,13 +37,18 @@ def build_engine(
     else:
         path = Path(model)
         _, net = load_checkpoint(
-            path, dtype=config.torch_dtype, device=config.device, encoder_only=encoder_only
+            path,
+            dtype=config.torch_dtype,
+            device=config.device,
+            encoder_only=encoder_only,
+            quantization=config.quantization,
         )
         model_id = checkpoint_fingerprint(path)
         own_tokenizer = path / TOKENIZER_FILE if (path / TOKENIZER_FILE).is_file() else None
     if config.torch_dtype == torch.float64:
         # Every parameter, mHC and router weights kept in fp32 by the loader included:
-        # an exact run must not mix precisions.
+        # an exact run must not mix precisions. Packed FP8 bytes keep their dtype
+        # (their GEMM accumulates in float64 for float64 activations).
         net = net.double()
     if own_tokenizer is None:
         set_engram_vocab(net, net.config, packaged_tokenizer_path())

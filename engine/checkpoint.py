@@ -28,6 +28,7 @@ from torch import nn
 from engine.model.config import ModelConfig
 from engine.model.engram import Engram, build_compressed_vocab, tables_on_meta
 from engine.model.engram_table import MappedEngramTable, tensor_span
+from engine.model.fp8_linear import pack_linears
 from engine.model.model import DeepseekV41
 from engine.model.parallel import SINGLE, Parallel, expert_of, tp_split_dim
 from engine.model.routed_experts import SCALE, RoutedExperts, packed_experts
@@ -50,6 +51,19 @@ SCALE_SUFFIX = ".scale"
 # parameters (trainable, in ``state_dict``).
 ENGRAM_MMAP_MIN_BYTES = 1 << 30
 QUANT_BLOCK = 32  # every scale in the checkpoint covers 32 elements along K (and 32 rows for FP8)
+
+# ``quantization``: "auto" keeps every FP8_BLOCK weight stored as F8_E4M3 packed
+# (engine/model/fp8_linear.py) and the routed experts stored as MXFP4 packed
+# (engine/model/routed_experts.py); "none" dequantises everything at load to ``dtype``.
+QUANTIZATION_MODES = ("auto", "none")
+
+
+def check_quantization(quantization: str) -> None:
+    if quantization not in QUANTIZATION_MODES:
+        raise ValueError(
+            f"quantization={quantization!r}: expected one of {', '.join(QUANTIZATION_MODES)}"
+        )
+
 
 # Tensors the text server does not serve: skipped with one notice per kind.
 SKIPPED_KINDS: dict[str, tuple[str, ...]] = {
@@ -379,10 +393,28 @@ def empty_model(
     process-wide default dtype while it builds. ``engram_tables_on_meta``: the
     Engram tables get no memory (the loader maps them from the checkpoint).
     ``quantization``: ``"auto"`` builds the routed experts packed (MXFP4 bytes,
-    engine/model/routed_experts.py), ``"none"`` unpacked in ``dtype``.
-    ``parallel``: only this rank's TP and EP shares (engine/model/parallel.py).
+    engine/model/routed_experts.py) and packs every linear the format table
+    stores as FP8 blocks (``Fp8Linear``), as a release-format checkpoint loads;
+    ``"none"``: everything unpacked in ``dtype``.
+    ``parallel``: only this rank's TP and EP shares (engine/model/parallel.py);
+    with TP the linears TP splits stay unpacked (``_tp_unpacked``).
     """
     check_quantization(quantization)
+    model = _build(config, dtype, device, engram_tables_on_meta, quantization == "auto", parallel)
+    if quantization == "auto":
+        names = [n for n in model.state_dict() if weight_format(n) is WeightFormat.FP8_BLOCK]
+        pack_linears(model, _tp_unpacked(names, parallel))
+    return model
+
+
+def _build(
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    engram_tables_on_meta: bool,
+    experts_packed: bool,
+    parallel: Parallel = SINGLE,
+) -> DeepseekV41:
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -391,7 +423,7 @@ def empty_model(
             stack.enter_context(torch.device(device))
             if engram_tables_on_meta:
                 stack.enter_context(tables_on_meta())
-            if quantization == "auto":
+            if experts_packed:
                 stack.enter_context(packed_experts())
             return DeepseekV41(config, parallel)
     finally:
@@ -461,15 +493,6 @@ def _tensor_read(entry: _Entry, target: torch.Tensor, shards: _Shards) -> Tensor
 
 # ----------------------------------------------------------------- routed experts
 
-QUANTIZATIONS = ("auto", "none")
-
-
-def check_quantization(quantization: str) -> None:
-    if quantization not in QUANTIZATIONS:
-        raise ValueError(
-            f"quantization={quantization!r}: expected one of {', '.join(QUANTIZATIONS)}"
-        )
-
 
 def experts_stored_packed(files: dict[str, Path], shards: _Shards) -> bool:
     """True when the checkpoint has routed experts and stores every one as MXFP4 bytes."""
@@ -529,6 +552,45 @@ def _packed_expert_reads(entry: _Entry, target: _PackedExpert, shards: _Shards) 
     return reads
 
 
+# ----------------------------------------------------------------- packed weights
+
+
+def packable_weights(names: list[str], files: dict[str, Path], shards: _Shards) -> list[str]:
+    """The FP8_BLOCK weights among ``names`` that the checkpoint stores packed.
+
+    Packed means ``F8_E4M3`` with an ``F8_E8M0`` (or ``U8``) ``.scale``; a BF16
+    re-export of the same weight (or V3-style float scales) loads dequantised.
+    Routed experts (MXFP4) and Engram tables are not FP8_BLOCK: never here.
+    """
+    packable = []
+    for name in names:
+        scale = scale_name(name)
+        if weight_format(name) is not WeightFormat.FP8_BLOCK or name not in files:
+            continue
+        if scale not in files or shards.header(name)[0] != "F8_E4M3":
+            continue
+        if shards.header(scale)[0] in ("F8_E8M0", "U8"):
+            packable.append(name)
+    return packable
+
+
+def _stored_bytes(weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    return weight  # packed: the stored bytes, as they are
+
+
+def _packed_reads(name: str, targets: dict[str, torch.Tensor], shards: _Shards) -> list[TensorRead]:
+    """A packed weight and its scale, each copied byte for byte into its buffer."""
+    reads = []
+    for stored in (name, scale_name(name)):
+        dtype, shape = shards.header(stored)
+        target = targets[stored]
+        if dtype == "U8":  # raw E8M0 bytes: the buffer's byte view takes them
+            target = target.view(torch.uint8)
+        nbytes = math.prod(shape) * _DTYPE_BYTES.get(dtype, 1)
+        reads.append(TensorRead(stored, target, _stored_bytes, nbytes))
+    return reads
+
+
 def load_checkpoint(
     path: str | Path,
     *,
@@ -550,11 +612,14 @@ def load_checkpoint(
     and gather each step's rows from there (no byte of a table is read at load, none
     is in ``state_dict``); None: when they exceed ``ENGRAM_MMAP_MIN_BYTES``.
     ``quantization``: ``"auto"`` keeps the routed experts packed (their stored
-    MXFP4 bytes, copied as they are) when the checkpoint stores them so;
-    ``"none"`` dequantises them at load into ``dtype``.
+    MXFP4 bytes, copied as they are) when the checkpoint stores them so, and each
+    FP8-block weight stored as ``F8_E4M3`` packed (an ``Fp8Linear`` holding the
+    stored bytes, activations quantised per block of 32 at run time); ``"none"``
+    dequantises every weight at load into ``dtype``.
     ``parallel``: load this rank's shares only (docs/design/parallelism.md): its
     EP experts (the others' tensors are not read) and its TP slices of the split
-    tensors (rows read as a slice; column splits read whole rows, then cut)."""
+    tensors (rows read as a slice; column splits read whole rows, then cut; these
+    load dequantised, packed FP8 TP shards are not done yet)."""
     check_quantization(quantization)
     path = Path(path)
     config = ModelConfig.from_json(path / "config.json")
@@ -562,17 +627,8 @@ def load_checkpoint(
     with _Shards(files) as shards:
         if engram_mmap is None:
             engram_mmap = _wants_engram_mmap(files, shards)
-        expert_quantization = (
-            "auto" if quantization == "auto" and experts_stored_packed(files, shards) else "none"
-        )
-    model = empty_model(
-        config,
-        dtype=dtype,
-        device=device,
-        engram_tables_on_meta=engram_mmap,
-        quantization=expert_quantization,
-        parallel=parallel,
-    )
+        experts_packed = quantization == "auto" and experts_stored_packed(files, shards)
+    model = _build(config, dtype, device, engram_mmap, experts_packed, parallel)
     decoder: tuple[str, ...] = ()
     if encoder_only:
         model.drop_decoder_layers()
@@ -589,11 +645,20 @@ def load_checkpoint(
             return "other-rank-expert"
         return decoder_layer(name)
 
+    packed_linears: set[str] = set()
+    if quantization == "auto":
+        with _Shards(files) as shards:
+            names = packable_weights(list(model.state_dict(keep_vars=True)), files, shards)
+        packed_linears = set(pack_linears(model, _tp_unpacked(names, parallel)))
     targets = model.state_dict(keep_vars=True)
     packed = packed_expert_targets(model, targets)
     tp_shards = tp_shard_targets(targets, parallel)
     with _Shards(files) as shards, torch.no_grad():
-        entries, skipped = _plan(targets, files, shards, left_out)
+        # A packed weight's `.scale` is a buffer of the model now: the plan sees
+        # it as the weight's sibling, as for a dequantised load.
+        packed_scales = {scale_name(n) for n in packed_linears}
+        planned = {n: t for n, t in targets.items() if n not in packed_scales}
+        entries, skipped = _plan(planned, files, shards, left_out)
         absent = [n for n in targets if optional_tensor(n) and n not in files]
         for name in absent:
             targets[name].zero_()
@@ -609,6 +674,9 @@ def load_checkpoint(
                 continue
             if entry.name in tp_shards:
                 reads.append(_tp_shard_read(entry, tp_shards[entry.name], shards))
+                continue
+            if entry.name in packed_linears:
+                reads.extend(_packed_reads(entry.name, targets, shards))
                 continue
             reads.append(_tensor_read(entry, targets[entry.name], shards))
     # After the headers' handles are closed: only the shard being read stays mapped.
@@ -656,6 +724,15 @@ def tp_shard_targets(targets: dict[str, torch.Tensor], parallel: Parallel) -> di
         out[name] = _TPShard(target, dim, start, start + part)
         targets[name] = torch.empty(whole, dtype=target.dtype, device="meta")
     return out
+
+
+def _tp_unpacked(names: list[str], parallel: Parallel) -> list[str]:
+    """``names`` less the tensors TP splits, when it does: their shards are sliced
+    from the dequantised tensor (a packed FP8 shard on 32-row/column blocks with
+    its scales is not done yet)."""
+    if parallel.tp_size == 1:
+        return names
+    return [n for n in names if tp_split_dim(n) is None]
 
 
 def _tp_shard_read(entry: _Entry, shard: _TPShard, shards: _Shards) -> TensorRead:

@@ -131,7 +131,8 @@ def save_checkpoint(
         f.write("\n")
     _remove_old_weights(out)
     state = dict(model.state_dict())
-    # Packed routed experts carry their stored bytes (weight and ``.scale``):
+    # Packed weights (routed experts, engine/model/routed_experts.py; FP8 linears,
+    # engine/model/fp8_linear.py) carry their stored bytes, weight and ``.scale``:
     # written as they are, the scale beside its weight.
     packed = {n: state.pop(scale_name(n)) for n in list(state) if scale_name(n) in state}
     extras = dict(extra_tensors or {})

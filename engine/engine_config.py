@@ -33,7 +33,10 @@ class EngineConfig:
     enable_ced: bool = True  # False = full-depth prefill (--disable-ced)
     kv_dtype: Literal["fp4", "bf16"] = "fp4"  # stored global KV; bf16 is the ablation
     device: str = "cpu"
-    dtype: str = "float32"  # compute dtype of the weights
+    dtype: str = "float32"  # dtype of unquantised weights and of activations
+    # auto: FP8-block weights stored packed stay packed (engine/model/fp8_linear.py);
+    # none: every weight dequantised at load to ``dtype``.
+    quantization: Literal["auto", "none"] = "auto"
     max_model_len: int | None = None  # prompt + output cap; None = the model's max positions
     runner: Literal["paged", "reference"] = "paged"  # reference = dense oracle (debugging)
     seed: int = 0  # weights of the random tiny model; global sampling RNG
@@ -54,6 +57,10 @@ class EngineConfig:
             raise ValueError("EngineConfig.max_model_len must be >= 2 (or None)")
         if self.kv_dtype not in ("fp4", "bf16"):
             raise ValueError(f"EngineConfig.kv_dtype must be 'fp4' or 'bf16', got {self.kv_dtype}")
+        if self.quantization not in ("auto", "none"):
+            raise ValueError(
+                f"EngineConfig.quantization must be 'auto' or 'none', got {self.quantization}"
+            )
         if self.dtype not in _DTYPES:
             raise ValueError(f"EngineConfig.dtype must be one of {sorted(_DTYPES)}")
         if self.runner not in ("paged", "reference"):

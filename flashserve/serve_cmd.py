@@ -267,7 +267,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--dtype",
         choices=("float32", "bfloat16", "float16", "float64"),
         default="float32",
-        help="compute dtype (float64: exact comparisons in tests)",
+        help="dtype of unquantised weights and of activations (float64: exact comparisons "
+        "in tests)",
+    )
+    engine.add_argument(
+        "--quantization",
+        choices=("auto", "none"),
+        default="auto",
+        help="auto: keep the checkpoint's FP8/FP4 weights packed, activations quantised per "
+        "block of 32 (the release's numerics); none: dequantise at load to --dtype",
     )
     engine.add_argument(
         "--max-model-len", type=int, default=None, help="prompt + output cap (default: model's)"
@@ -295,6 +303,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_dtype=args.kv_dtype,
         device=args.device,
         dtype=args.dtype,
+        quantization=args.quantization,
         max_model_len=args.max_model_len,
         runner=args.runner,
         seed=args.seed,
@@ -446,7 +455,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     weights = sum(f.stat().st_size for f in path.glob("*.safetensors"))
     _say(
-        f"loading checkpoint {path} ({weights / 2**20:.1f} MiB) on {config.device}, {config.dtype}"
+        f"loading checkpoint {path} ({weights / 2**20:.1f} MiB) on {config.device}, "
+        f"{config.dtype}, quantization {config.quantization}"
     )
     # The loader's one-line summary (bytes per device, s, GB/s) shows without -v; on a
     # terminal its progress bar (stderr) replaces the heartbeat lines.

@@ -13,12 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.model.candidates import candidate_block_mask, select_topk
 from engine.model.compressor import Compressor
 from engine.model.config import LayerRole, ModelConfig
+from engine.model.fp8_linear import linear32
 from engine.model.indexer import Indexer
 from engine.model.kv_backend import KVBackend
 from engine.model.norm import RMSNorm
@@ -27,8 +27,8 @@ from engine.model.precision import upcast
 from engine.model.rope import rope_inv_freq, rope_tail
 
 
-def _linear32(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
-    return F.linear(upcast(x), upcast(layer.weight))
+def _linear32(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+    return linear32(x, layer)  # packed (Fp8Linear) or not
 
 
 class GroupedLinear(nn.Module):

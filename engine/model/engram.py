@@ -263,7 +263,7 @@ class Engram(nn.Module):
 
     def apply_rows(self, R: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """``R'[h] = R[h] + gate_h * value`` from looked-up ``rows``; in fp32, ``R``'s dtype out."""
-        kv = self.wkv(rows.flatten(-2).to(self.wkv.weight.dtype))
+        kv = self.wkv(rows.flatten(-2).to(self.q_weight.dtype))  # wkv may be packed (FP8)
         key = kv[..., : self.hc * self.dim].unflatten(-1, (self.hc, self.dim))
         value = kv[..., self.hc * self.dim :]
         gate = engram_gate(R, key, self.q_weight, self.k_weight, self.eps)

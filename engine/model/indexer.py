@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model.config import ModelConfig
+from engine.model.fp8_linear import linear32
 from engine.model.norm import RMSNorm
 from engine.model.precision import upcast
 from engine.model.rope import rope_inv_freq, rope_tail
@@ -81,7 +82,7 @@ class Indexer(nn.Module):
         multiplies each head's relu.
         """
         # Projection outputs round to the model dtype, as the release's bf16 linears do.
-        qi = F.linear(upcast(qr), upcast(self.wq_b.weight)).to(qr.dtype)
+        qi = linear32(qr, self.wq_b).to(qr.dtype)  # packed (Fp8Linear) or not
         qi = rope_tail(qi.view(-1, self.n_heads, self.head_dim), positions, self.inv_freq)
         # The release quantises the query like the keys (MXFP4, one power-of-two
         # scale per 32) before scoring: the trained top-k is that of quantised scores.

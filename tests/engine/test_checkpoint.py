@@ -81,8 +81,8 @@ def sharded_dir(tmp_path_factory: pytest.TempPathFactory, original: DeepseekV41)
 
 @pytest.fixture(scope="module")
 def loaded(tiny_dir: Path) -> DeepseekV41:
-    # Dequantised at load: the round trip through the writer's formats
-    # (the packed experts are tests/engine/test_checkpoint_experts.py).
+    # Dequantised at load: the round trip through the writer's formats (the packed
+    # default: tests/engine/test_checkpoint_experts.py, test_packed_linears.py).
     config, model = load_checkpoint(tiny_dir, quantization="none")
     assert config.to_dict() == ModelConfig.tiny().to_dict()
     return model
@@ -321,7 +321,7 @@ def test_skips_dspark_and_vision_and_accepts_plain_exports(
     }
     ok = _tampered(sharded_dir, tmp_path / "ok", drop=("layers.0.attn.wq_a.scale",), add=extra)
     with caplog.at_level(logging.INFO, logger="engine.checkpoint"):
-        _, model = load_checkpoint(ok)
+        _, model = load_checkpoint(ok, quantization="none")
     notices = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
     assert len(notices) == 2
     assert any("3 dspark" in m for m in notices)

@@ -96,10 +96,11 @@ def test_packed_load_dequantises_no_expert(tiny_dir: Path, monkeypatch) -> None:
 
     monkeypatch.setattr(checkpoint_module, "dequantize", spy)
     load_checkpoint(tiny_dir)
-    assert WeightFormat.FP8_BLOCK in formats and WeightFormat.MXFP4 not in formats
+    # Packed experts and packed FP8 linears: nothing quantised is dequantised.
+    assert WeightFormat.FP8_BLOCK not in formats and WeightFormat.MXFP4 not in formats
     formats.clear()
     load_checkpoint(tiny_dir, quantization="none")
-    assert WeightFormat.MXFP4 in formats
+    assert WeightFormat.MXFP4 in formats and WeightFormat.FP8_BLOCK in formats
 
 
 def test_quantization_none_dequantises_the_experts(dequantised, stored) -> None:
@@ -145,11 +146,18 @@ def test_load_state_dict_fills_the_stacked_experts(packed, dequantised) -> None:
         )
 
 
-def test_packed_logits_follow_the_dequantised_model(packed, dequantised) -> None:
+def test_packed_logits_follow_the_dequantised_model(
+    tiny_dir: Path, dequantised, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Same expert weights; the packed path also rounds each expert GEMM's input to E4M3
     (3 mantissa bits: relative error <= 2^-4 per element, about 2^-6 on average).
     Tolerance: the logits' relative error stays below one E4M3 step, 2^-4, after
-    8 layers of it (measured 0.044 on this checkpoint), and most greedy tokens hold."""
+    8 layers of it (measured 0.044 on this checkpoint), and most greedy tokens hold.
+    Only the experts are packed here (the dense FP8 linears' own rounding is
+    tests/engine/test_packed_linears.py)."""
+    monkeypatch.setattr(checkpoint_module, "packable_weights", lambda *args: [])
+    _, packed = load_checkpoint(tiny_dir)
+    assert packed.layers[3].ffn.experts.packed
     with torch.no_grad():
         got, want = packed(IDS), dequantised(IDS)
     assert torch.isfinite(got).all()

@@ -177,8 +177,8 @@ def test_progress_bar_reaches_every_stored_byte(
     assert found, summary
     assert int(found[1]) == total
     assert int(found[2]) == len(list(small_dir.glob("*.safetensors")))
-    # Placed: every checkpoint tensor's byte in the model (parameters and the
-    # packed experts' buffers), on the CPU.
+    # Placed: every checkpoint tensor's byte in the model (parameters, the packed
+    # experts' and packed linears' buffers), on the CPU.
     _, model = load_checkpoint(small_dir)
     resident = sum(t.nbytes for t in model.state_dict().values())
     assert f"placed cpu {resident / 1e9:.3f} GB" in summary

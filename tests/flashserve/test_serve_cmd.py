@@ -31,7 +31,7 @@ def test_every_engine_config_field_has_a_flag() -> None:
         *("--kv-cache-bytes", "12345", "--kv-dir", "/tmp/kv", "--kv-dir-bytes", "999"),
         *("--replay-tokens", "16", "--disable-ced", "--kv-dtype", "bf16"),
         *("--device", "cuda", "--dtype", "bfloat16", "--max-model-len", "4096"),
-        *("--runner", "reference", "--seed", "7"),
+        *("--runner", "reference", "--seed", "7", "--quantization", "none"),
     )
     config = serve_cmd.engine_config(args)
     expected = {
@@ -47,6 +47,7 @@ def test_every_engine_config_field_has_a_flag() -> None:
         "kv_dtype": "bf16",
         "device": "cuda",
         "dtype": "bfloat16",
+        "quantization": "none",
         "max_model_len": 4096,
         "runner": "reference",
         "seed": 7,
@@ -54,6 +55,17 @@ def test_every_engine_config_field_has_a_flag() -> None:
     # A new EngineConfig field without a flag fails here.
     assert {f.name for f in dataclasses.fields(EngineConfig)} == set(expected)
     assert dataclasses.asdict(config) == expected
+
+
+def test_quantization_flag_names_the_packed_path(capsys: pytest.CaptureFixture[str]) -> None:
+    assert serve_cmd.engine_config(_args()).quantization == "auto"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "--quantization {auto,none}" in help_text
+    assert "auto: keep the checkpoint's FP8/FP4 weights packed" in help_text
+    with pytest.raises(SystemExit):
+        _args("--quantization", "fp8")
 
 
 def test_server_settings_from_flags_and_environment() -> None:

@@ -315,6 +315,8 @@ def test_triton_gpu_bench_dry_run_on_cpu(monkeypatch):
         context_entries=48,
         entries_per_page=8,
         store_entries=10,
+        linear_n=40,
+        linear_k=64,
     )
     results = bench.run_all(sizes, torch.device("cpu"), copy_bps=1e9)
     assert [r.op for r in results] == [
@@ -325,6 +327,7 @@ def test_triton_gpu_bench_dry_run_on_cpu(monkeypatch):
         "sparse_attention",
         "indexer_scores",
         "block_max",
+        "fp8_linear",
     ]
     for r in results:
         assert r.max_abs_err <= bench.TOLERANCE[r.op], r
