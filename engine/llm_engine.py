@@ -30,6 +30,7 @@ from engine.request import (
     TokenLogprob,
     Usage,
 )
+from engine.request_limits import RequestLimits
 from engine.sampler import Sampler, SeqHistory, make_generator
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -136,6 +137,9 @@ class LLMEngine:
         self._requests: dict[str, _RequestState] = {}
         self._seq_ids = itertools.count()
         self._pending_outputs: list[RequestOutput] = []
+        # Called once per step between scheduling and the model: an engine core in its
+        # own process reports queue lengths here, before a long forward.
+        self.on_scheduled: Callable[[], None] | None = None
 
     @classmethod
     def build(
@@ -181,33 +185,18 @@ class LLMEngine:
     # ------------------------------------------------------------ requests
     def validate(self, request: Request) -> None:
         """Raise ``ValueError`` if ``request`` can never run; reads configuration only."""
-        params = request.sampling_params
-        if self.encoder_only and not request.prefill_only:
-            raise ValueError(
-                "this engine holds the encoder layers only (a prefill worker): "
-                "it runs prefill-only requests"
-            )
-        params.validate(self.vocab_size)
-        prompt = request.prompt_token_ids
-        if not prompt:
-            raise ValueError("prompt_token_ids: the prompt is empty")
-        if any(not 0 <= t < self.vocab_size for t in prompt):
-            raise ValueError(f"prompt_token_ids: ids must lie in [0, {self.vocab_size})")
-        if len(prompt) >= self.max_model_len:
-            raise ValueError(
-                f"prompt_token_ids: {len(prompt)} tokens leave no room under "
-                f"max_model_len={self.max_model_len}"
-            )
-        if self.scheduler.pages_needed(len(prompt)) > self.kv.num_pages:
-            raise ValueError(
-                f"prompt_token_ids: {len(prompt)} tokens need more KV pages than the cache holds "
-                f"({self.kv.num_pages} pages of {self.kv.page_tokens} tokens)"
-            )
-        if params.stop and self.tokenizer is None:
-            raise ValueError("SamplingParams.stop: stop strings need a tokenizer")
-        if params.n > 1 and params.mask_provider is not None:
-            # A provider holds one sequence's parse state.
-            raise ValueError("SamplingParams.n: a mask provider serves one sequence (n = 1)")
+        self.limits().validate(request)
+
+    def limits(self) -> RequestLimits:
+        """The numbers ``validate`` checks against (what a core process sends its client)."""
+        return RequestLimits(
+            vocab_size=self.vocab_size,
+            max_model_len=self.max_model_len,
+            page_tokens=self.kv.page_tokens,
+            num_pages=self.kv.num_pages,
+            has_tokenizer=self.tokenizer is not None,
+            encoder_only=self.encoder_only,
+        )
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self._requests:
@@ -314,6 +303,8 @@ class LLMEngine:
         started = time.perf_counter()
         outputs, self._pending_outputs = self._pending_outputs, []
         batch = self.scheduler.schedule()
+        if self.on_scheduled is not None:
+            self.on_scheduled()
         if not batch:
             return outputs
         t0 = time.perf_counter()

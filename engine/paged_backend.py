@@ -17,7 +17,7 @@ import torch
 
 from engine.model.candidates import visible_entries
 from engine.sequence import Sequence
-from kernels.indexer_ops import indexer_scores
+from kernels.indexer_ops import indexer_scores, indexer_scores_at
 from kernels.kv_cache_ops import store_kv_entries
 from kernels.kv_formats import dequantize_swa, quantize_swa
 from kernels.sparse_attention import sparse_attention
@@ -70,16 +70,28 @@ class PagedKV:
         self.device = device
         self._pos = torch.cat([torch.arange(s.start, s.end) for s in segments]).to(device)
         self._tables = _row_block_tables(segments, device)
-        # Engram reads each row's last n-gram of token ids; built once per step.
+        # Engram reads each row's last n-gram of token ids; built once per step from
+        # the tokens the step can reach (its rows and a short history before them),
+        # not the whole context: ``(first position, ids)`` per sequence.
         self._token_ids = {
-            s.seq.seq_id: torch.tensor(s.seq.token_ids[: s.end], device=device) for s in segments
+            s.seq.seq_id: _token_span(
+                s.seq.token_ids, max(0, s.start - _TOKEN_HISTORY), s.end, device
+            )
+            for s in segments
         }
         self._swa: tuple[torch.Tensor, torch.Tensor] | None = None  # this layer's windows
         self._group_pages: torch.Tensor | None = None  # pages of the entries being stored
         self._may_cut = self._any_below(lambda s: s.seq.layer_starts[-1])
 
     def input_ids(self) -> torch.Tensor:
-        return torch.cat([self._token_ids[s.seq.seq_id][s.start : s.end] for s in self.segments])
+        return torch.cat([self._ids(s, s.start) for s in self.segments])
+
+    def _ids(self, seg: Segment, lo: int) -> torch.Tensor:
+        """Token ids at positions ``[lo, seg.end)`` of the segment's sequence."""
+        first, ids = self._token_ids[seg.seq.seq_id]
+        if lo < first:  # further back than the history kept: read the list
+            return _token_span(seg.seq.token_ids, lo, seg.end, self.device)[1]
+        return ids[lo - first : seg.end - first]
 
     # ------------------------------------------------------------ rows
     @property
@@ -112,9 +124,8 @@ class PagedKV:
     def token_windows(self, n: int) -> torch.Tensor:
         out = []
         for seg in self.segments:
-            ids = self._token_ids[seg.seq.seq_id]
             lo = seg.start - (n - 1)
-            window = ids[max(0, lo) : seg.end]
+            window = self._ids(seg, max(0, lo))
             if lo < 0:
                 window = torch.cat([window.new_full((-lo,), -1), window])
             out.append(window.unfold(0, n, 1))
@@ -151,15 +162,17 @@ class PagedKV:
         """
         W = self.window
         records = quantize_swa(kv)
-        stored = dequantize_swa(records).to(kv.dtype)
         keys = kv.new_zeros(kv.shape[0], W, kv.shape[1])
         valid = torch.zeros(kv.shape[0], W, dtype=torch.bool, device=kv.device)
         singles = [s for s in self.segments if s.rows == 1]
         if singles:
             self._decode_windows(layer_id, singles, records, keys, valid)
+        stored = None  # the round trip of this step's rows: only chunks read it
         for seg in self.segments:
             if seg.rows == 1:
                 continue
+            if stored is None:
+                stored = dequantize_swa(records).to(kv.dtype)
             ring = self.states.swa_window(layer_id, seg.seq.seq_id)
             start = seg.seq.layer_starts[layer_id]
             first = max(start, seg.start - W + 1)
@@ -194,13 +207,22 @@ class PagedKV:
         W = self.window
         device = keys.device
         rings = self.states.swa[layer_id]  # [slots, W, record bytes]
+        flat = rings.view(-1, rings.shape[-1])  # ring slot s, position p: row s * W + p
+        all_rows = len(singles) == keys.shape[0]  # a decode-only step: rows in order
         rows = torch.tensor([s.offset for s in singles], device=device)
         slots = torch.tensor([self.states.slot(s.seq.seq_id) for s in singles], device=device)
         pos = torch.tensor([s.start for s in singles], device=device)
         start = torch.tensor([s.seq.layer_starts[layer_id] for s in singles], device=device)
-        rings[slots, pos % W] = records[rows]
+        # Whole-record row copies through the flat ring (index_copy_ / index_select)
+        # rather than two-index advanced indexing: the same bytes, fewer passes.
+        flat.index_copy_(0, slots * W + pos % W, records if all_rows else records[rows])
         key_pos = pos[:, None] - W + 1 + torch.arange(W, device=device)[None, :]
-        window = rings[slots[:, None], key_pos % W]  # [n, W, record bytes]
+        at = (slots[:, None] * W + key_pos % W).reshape(-1)
+        window = flat.index_select(0, at).view(len(singles), W, -1)  # [n, W, record bytes]
+        if all_rows:
+            keys.copy_(dequantize_swa(window))
+            valid.copy_(key_pos >= start[:, None])
+            return
         keys[rows] = dequantize_swa(window).to(keys.dtype)
         valid[rows] = key_pos >= start[:, None]
 
@@ -279,6 +301,19 @@ class PagedKV:
         )
         return scores, visible_entries(self._pos, n_cols, ratio)
 
+    def index_scores_at(
+        self,
+        source_id: int,
+        qi: torch.Tensor,
+        weights: torch.Tensor,
+        scale: float,
+        entries: torch.Tensor,
+    ) -> torch.Tensor:
+        pages = self.pages[source_id]
+        return indexer_scores_at(
+            qi, weights * scale, pages.index_data, pages.index_scales, self._tables, entries
+        )
+
     def attend(
         self,
         layer_id: int,
@@ -304,6 +339,16 @@ class PagedKV:
             sink,
             scale,
         )
+
+
+# Token positions kept before each segment's first row (Engram's n-grams reach n - 1 back).
+_TOKEN_HISTORY = 16
+
+
+def _token_span(
+    token_ids: list[int], lo: int, hi: int, device: torch.device
+) -> tuple[int, torch.Tensor]:
+    return lo, torch.tensor(token_ids[lo:hi], dtype=torch.long, device=device)
 
 
 def _row_block_tables(segments: list[Segment], device: torch.device) -> torch.Tensor:

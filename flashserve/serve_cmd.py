@@ -29,6 +29,8 @@ NAME = "serve"
 HELP = "serve the OpenAI/DeepSeek-compatible API (--model tiny or a checkpoint directory)"
 
 CACHE_ENV = "FLASHSERVE_CACHE"
+# Set to 1 (true, yes): the engine core runs in the API process (--in-process-engine).
+IN_PROCESS_ENV = "FLASHSERVE_IN_PROCESS_ENGINE"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -232,6 +234,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
     engine = parser.add_argument_group("engine (EngineConfig)")
+    engine.add_argument(
+        "--in-process-engine",
+        action="store_true",
+        default=None,
+        help="run the engine core (scheduler and model loop) in a thread of the API process "
+        f"instead of a process of its own (also {IN_PROCESS_ENV}=1; docs/design/engine.md, "
+        "'Process layout')",
+    )
     engine.add_argument("--max-num-seqs", type=int, default=64, help="sequences running at once")
     engine.add_argument(
         "--max-num-batched-tokens", type=int, default=2048, help="rows per engine step"
@@ -308,6 +318,14 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         runner=args.runner,
         seed=args.seed,
     )
+
+
+def in_process_engine(args: argparse.Namespace, env: dict[str, str] | None = None) -> bool:
+    """Whether the engine core runs in the API process: the flag, else the environment."""
+    if args.in_process_engine:
+        return True
+    value = (os.environ if env is None else env).get(IN_PROCESS_ENV, "")
+    return value.strip().lower() in ("1", "true", "yes")
 
 
 def server_settings(
@@ -438,6 +456,7 @@ def run(args: argparse.Namespace) -> int:
 
     from engine.async_engine import AsyncEngine
     from engine.builder import checkpoint_fingerprint
+    from engine.core_client import EngineClient, EngineCoreClient
     from server.app import create_app
 
     started = time.monotonic()
@@ -463,12 +482,27 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("engine.weight_stream").setLevel(logging.INFO)
     from engine.weight_stream import show_progress
 
+    in_process = in_process_engine(args)
     beat = _Heartbeat("loading the checkpoint", started, enabled=not show_progress(None))
+    engine: EngineClient
     with beat:
         # A prefill worker never runs the decoder layers: it does not load them.
-        engine = AsyncEngine(config, path, encoder_only=args.role == "prefill")
+        encoder_only = args.role == "prefill"
+        if in_process:
+            engine = AsyncEngine(config, path, encoder_only=encoder_only)
+        else:
+            try:
+                engine = EngineCoreClient(config, path, encoder_only=encoder_only)
+            except RuntimeError as exc:
+                print(f"flashserve serve: {exc}", file=sys.stderr)
+                return 1
     fingerprint = "fp_" + checkpoint_fingerprint(path)[:10]
-    _say(f"engine ready in {time.monotonic() - started:.1f} s")
+    where = (
+        "in this process"
+        if isinstance(engine, AsyncEngine)
+        else f"in process {engine.pid}, sockets in {engine.socket_dir}"
+    )
+    _say(f"engine ready in {time.monotonic() - started:.1f} s ({where})")
     # uvicorn stops gracefully on SIGINT/SIGTERM, then re-raises the signal. SIGTERM's
     # default action would kill the process before the engine flushes its SSD tier.
     previous = signal.signal(signal.SIGTERM, _interrupt)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.dispatch import use_triton
-from kernels.kv_cache_ops import is_raw_bf16, locate, read_index
+from kernels.kv_cache_ops import is_raw_bf16, read_index, read_index_pages
 
 # Reference work sizes: bound the [rows, heads, columns] fp32 dot products.
 _REFERENCE_ROWS = 64
@@ -65,22 +65,98 @@ def indexer_scores_reference(
         return out  # nothing can be visible
     entries_per_page = index_data.shape[1]
     n_visible = n_visible.clamp(max=min(n_cols, block_tables.shape[1] * entries_per_page))
-    # Rows of one sequence share a block table: dequantise its keys once.
-    tables, inverse = torch.unique(block_tables, dim=0, return_inverse=True)
-    for u in range(tables.shape[0]):
+    tables, inverse, counts = torch.unique(
+        block_tables, dim=0, return_inverse=True, return_counts=True
+    )
+    alone = counts[inverse] == 1
+    if bool(alone.any()):
+        # Rows alone on their table (decode rows): one batched pass over all of them.
+        rows = alone.nonzero().squeeze(1)
+        _score_rows_batched(out, rows, qi, w, index_data, index_scales, block_tables, n_visible)
+    if bool(alone.all()):
+        return out
+    # Rows of one sequence share a block table (a prefill chunk): dequantise its keys once.
+    for u in (counts > 1).nonzero().squeeze(1).tolist():
         rows = (inverse == u).nonzero().squeeze(1)
         n = int(n_visible[rows].max())
-        for c0 in range(0, n, _REFERENCE_COLS):
-            cols = torch.arange(c0, min(c0 + _REFERENCE_COLS, n), device=qi.device)
-            pages, slots = locate(tables[u], cols, entries_per_page)
-            k = read_index(index_data, index_scales, pages, slots)
+        step = max(1, _REFERENCE_COLS // entries_per_page) * entries_per_page
+        for c0 in range(0, n, step):
+            c1 = min(c0 + step, n)
+            page_ids = tables[u, c0 // entries_per_page : -(-c1 // entries_per_page)]
+            k = read_index_pages(index_data, index_scales, page_ids).flatten(0, 1)[: c1 - c0]
+            cols = torch.arange(c0, c1, device=qi.device)
             for r0 in range(0, rows.numel(), _REFERENCE_ROWS):
                 r = rows[r0 : r0 + _REFERENCE_ROWS]
                 dots = torch.einsum("thd,sd->ths", qi[r].to(dt), k.to(dt))
                 scores = (dots.relu() * w[r].to(dt)[:, :, None]).sum(dim=1)
                 hidden = cols[None, :] >= n_visible[r][:, None]
-                out[r[:, None], cols[None, :]] = scores.masked_fill(hidden, float("-inf"))
+                out[r, c0:c1] = scores.masked_fill(hidden, float("-inf"))
     return out
+
+
+def _score_rows_batched(
+    out: torch.Tensor,
+    rows: torch.Tensor,
+    qi: torch.Tensor,
+    w: torch.Tensor,
+    index_data: torch.Tensor,
+    index_scales: torch.Tensor,
+    block_tables: torch.Tensor,
+    n_visible: torch.Tensor,
+) -> None:
+    """Scores of ``rows`` (each with its own table) in blocks of whole pages.
+
+    Rows go longest first, so a block only holds the rows that still see entries
+    in it: ragged contexts cost what they read (within a block per row), and a
+    block's dequantised keys are bounded by the work budget, whatever the context.
+    """
+    dt = out.dtype
+    E = index_data.shape[1]
+    n = n_visible[rows]
+    order = torch.argsort(n, descending=True, stable=True)
+    rows, n = rows[order], n[order].tolist()
+    budget = max(1, _REFERENCE_ROWS * _REFERENCE_COLS // 4)  # entries of keys per block
+    p, n_pages = 0, -(-n[0] // E)
+    while p < n_pages:
+        active = sum(1 for m in n if m > p * E)  # rows sorted: a prefix
+        span = max(1, min(budget // (active * E), n_pages - p))
+        r = rows[:active]
+        k = read_index_pages(index_data, index_scales, block_tables[r, p : p + span])
+        k = k.flatten(1, 2).to(dt)  # [active, span * E, 128]
+        dots = torch.einsum("thd,tsd->ths", qi[r].to(dt), k)
+        scores = (dots.relu() * w[r].to(dt)[:, :, None]).sum(dim=1)
+        c0, c1 = p * E, min((p + span) * E, out.shape[1])
+        cols = torch.arange(c0, c1, device=out.device)
+        hidden = cols[None, :] >= n_visible[r][:, None]
+        out[r, c0:c1] = scores[:, : c1 - c0].masked_fill(hidden, float("-inf"))
+        p += span
+
+
+def indexer_scores_at(
+    qi: torch.Tensor,
+    w: torch.Tensor,
+    index_data: torch.Tensor,
+    index_scales: torch.Tensor,
+    block_tables: torch.Tensor,
+    entries: torch.Tensor,
+) -> torch.Tensor:
+    """``[T, K]``: row t's score of entry ``entries[t, j]`` (``-inf`` where it is -1).
+
+    The scores of a few listed entries per row (a Reindex layer's candidates),
+    reading only their keys: the work is ``T x K``, whatever the context.
+    Same formula and dtype as ``indexer_scores``. PyTorch ops on any device
+    (K is small; no Triton kernel needed).
+    """
+    dt = torch.promote_types(qi.dtype, torch.float32)
+    if entries.numel() == 0:
+        return torch.full(entries.shape, float("-inf"), dtype=dt, device=qi.device)
+    E = index_data.shape[1]
+    j = entries.clamp(min=0)
+    pages = block_tables.gather(1, torch.div(j, E, rounding_mode="floor"))
+    k = read_index(index_data, index_scales, pages, j % E).to(dt)  # [T, K, 128]
+    dots = torch.einsum("thd,tkd->thk", qi.to(dt), k)
+    scores = (dots.relu() * w.to(dt)[:, :, None]).sum(dim=1)
+    return scores.masked_fill(entries < 0, float("-inf"))
 
 
 def block_max(scores: torch.Tensor, block_size: int) -> torch.Tensor:

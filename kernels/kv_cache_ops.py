@@ -23,8 +23,8 @@ from kernels.dispatch import use_triton
 from kernels.kv_formats import (
     INDEX_KEY,
     MAIN_KV,
-    dequantize_index_key,
-    dequantize_main_kv,
+    dequantize_index_key_parts,
+    dequantize_main_kv_parts,
     quantize_index_key,
     quantize_main_kv,
 )
@@ -63,7 +63,7 @@ def read_main(
     """float32 ``[..., 512]`` values of the main records at (pages, slots)."""
     if is_raw_bf16(main_scales):
         return main_data[pages, slots].view(torch.bfloat16).float()
-    return dequantize_main_kv(read_main_records(main_data, main_scales, pages, slots))
+    return dequantize_main_kv_parts(main_data[pages, slots], main_scales[pages, slots])
 
 
 def read_index(
@@ -72,7 +72,23 @@ def read_index(
     """float32 ``[..., 128]`` values of the index keys at (pages, slots)."""
     if is_raw_bf16(index_scales):
         return index_data[pages, slots].view(torch.bfloat16).float()
-    return dequantize_index_key(read_index_records(index_data, index_scales, pages, slots))
+    return dequantize_index_key_parts(index_data[pages, slots], index_scales[pages, slots])
+
+
+def read_index_pages(
+    index_data: torch.Tensor, index_scales: torch.Tensor, pages: torch.Tensor
+) -> torch.Tensor:
+    """float32 ``[..., E, 128]``: every index key of the pages ``pages [...]``.
+
+    Whole pages are gathered (one row copy per page, not one per entry) and
+    decoded from the page views directly.
+    """
+    flat = pages.reshape(-1)
+    data = index_data.index_select(0, flat).view(*pages.shape, *index_data.shape[1:])
+    if is_raw_bf16(index_scales):
+        return data.view(torch.bfloat16).float()
+    scales = index_scales.index_select(0, flat).view(*pages.shape, *index_scales.shape[1:])
+    return dequantize_index_key_parts(data, scales)
 
 
 # ----------------------------------------------------------------- store

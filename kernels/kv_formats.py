@@ -154,9 +154,15 @@ def quantize_main_kv(x: torch.Tensor) -> torch.Tensor:
 def dequantize_main_kv(rec: torch.Tensor) -> torch.Tensor:
     """288-byte records ``[..., 288]`` -> float32 ``[..., 512]``."""
     data, scales = _split(rec, MAIN_KV)
+    return dequantize_main_kv_parts(data, scales).reshape(*rec.shape[:-1], 512)
+
+
+def dequantize_main_kv_parts(data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``dequantize_main_kv`` of records kept as separate data ``[..., 256]`` and scale
+    ``[..., 32]`` bytes (the page views): no joined record is built."""
     values = e2m1_decode_packed(data).reshape(-1, 32, 16)
-    out = values * e4m3_from_bytes(scales)[..., None]
-    return out.reshape(*rec.shape[:-1], 512)
+    out = values * e4m3_from_bytes(scales.reshape(-1, 32))[..., None]
+    return out.reshape(*data.shape[:-1], 512)
 
 
 def fake_quant_main_kv(x: torch.Tensor) -> torch.Tensor:
@@ -184,9 +190,30 @@ def quantize_index_key(x: torch.Tensor) -> torch.Tensor:
 def dequantize_index_key(rec: torch.Tensor) -> torch.Tensor:
     """68-byte records ``[..., 68]`` -> float32 ``[..., 128]``."""
     data, scales = _split(rec, INDEX_KEY)
-    values = e2m1_decode_packed(data).reshape(-1, 4, 32)
-    out = values * e8m0_decode(scales)[..., None]
-    return out.reshape(*rec.shape[:-1], 128)
+    return dequantize_index_key_parts(data, scales).reshape(*rec.shape[:-1], 128)
+
+
+def dequantize_index_key_parts(data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``dequantize_index_key`` of keys kept as separate data ``[..., 64]`` and scale
+    ``[..., 4]`` bytes (the page views): no joined record is built."""
+    # One gather per byte from a 256 x 256 table of (scale byte, data byte) -> both
+    # values already multiplied by the scale: the products the two-step decode
+    # forms, computed once, so decoding is one pass (the indexer reads every
+    # visible key per step).
+    table = _INDEX_KEY_TABLES.get(data.device)
+    if table is None:
+        every = torch.arange(256, dtype=torch.uint8, device=data.device)
+        pairs = e2m1_decode_packed(every[:, None])  # [256, 2]
+        products = pairs[None, :, :] * e8m0_decode(every)[:, None, None]  # [scale, byte, 2]
+        table = products.contiguous().view(torch.int64).view(-1)
+        _INDEX_KEY_TABLES[data.device] = table
+    n = data.reshape(-1, 64).shape[0]
+    at = (scales.reshape(n, 4, 1).to(torch.int32) << 8) | data.reshape(n, 4, 16).to(torch.int32)
+    out = torch.index_select(table, 0, at.view(-1)).view(torch.float32)
+    return out.view(*data.shape[:-1], 128)
+
+
+_INDEX_KEY_TABLES: dict[torch.device, torch.Tensor] = {}
 
 
 def fake_quant_index_key(x: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ from fastapi import Depends, FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.responses import Response
 
-from engine.async_engine import AsyncEngine
+from engine.core_client import EngineClient
 from server.auth import api_key_dependency
 from server.body_limit import BodySizeLimit
 from server.docs_routes import add_docs_routes
@@ -69,7 +69,7 @@ def _version() -> str:
         return "0.0.0"
 
 
-def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> FastAPI:
+def create_app(engine: EngineClient, settings: ServerSettings | None = None) -> FastAPI:
     """The API over ``engine``; the caller starts and shuts down the engine."""
     settings = settings or ServerSettings()
     tokenizer = engine.tokenizer
@@ -124,7 +124,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
 
     @app.get("/health", responses={503: _ERRORS[503]})
     async def health() -> dict[str, str]:
-        """200 while the engine thread runs and keeps making progress (no authentication).
+        """200 while the engine (thread or core process) runs and makes progress (no auth).
 
         503 when it stopped, or when requests are pending and no step has finished for
         ``health_stall_s`` (a wedged engine must fail its liveness probe)."""

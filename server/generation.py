@@ -22,7 +22,8 @@ from typing import Any, TypeVar
 
 from tokenizers import Tokenizer
 
-from engine.async_engine import AsyncEngine, EngineDeadError
+from engine.async_engine import EngineDeadError
+from engine.core_client import EngineClient
 from engine.request import CompletionOutput, Request, RequestOutput, TokenLogprob, Usage
 from server.errors import APIError, invalid_parameter, invalid_request, overloaded, unavailable
 from server.handover import (
@@ -83,7 +84,7 @@ class Admission:
 class ServingContext:
     """What serving any API request needs; one per app."""
 
-    engine: AsyncEngine
+    engine: EngineClient
     settings: ServerSettings
     metrics: ServerMetrics
     tokenizer: Tokenizer

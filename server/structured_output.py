@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -141,13 +142,29 @@ def grammar_tokenizer_info(
 
 
 class GrammarMaskProvider:
-    """A ``TokenMaskProvider`` backed by one xgrammar matcher (one sequence)."""
+    """A ``TokenMaskProvider`` backed by one xgrammar matcher (one sequence).
 
-    __slots__ = ("_bitmask", "_matcher")
+    It pickles (to reach an engine core in another process) as its compiled
+    grammar's JSON plus the prefix text it accepted; the core rebuilds xgrammar's
+    vocabulary view from its own tokenizer once, then each matcher in about 1 ms.
+    """
+
+    __slots__ = ("_bitmask", "_compiled", "_matcher", "_prefix", "_vocab_size")
 
     def __init__(self, compiled: xgr.CompiledGrammar, vocab_size: int) -> None:
+        self._compiled = compiled
+        self._vocab_size = vocab_size
+        self._prefix = ""
         self._matcher = xgr.GrammarMatcher(compiled)
         self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        info = self._compiled.tokenizer_info
+        eos = list(info.stop_token_ids)
+        return (
+            _restore_provider,
+            (self._compiled.serialize_json(), self._vocab_size, eos, self._prefix),
+        )
 
     def allowed_tokens(self) -> torch.Tensor:
         """Int32 bitmask ``[ceil(V / 32)]``; bit ``j`` of word ``i`` allows token ``32 i + j``."""
@@ -167,7 +184,40 @@ class GrammarMaskProvider:
 
     def accept_text(self, text: str) -> bool:
         """Advance past text already in the prompt (a chat prefix); False if it does not fit."""
-        return self._matcher.accept_string(text)
+        if not self._matcher.accept_string(text):
+            return False
+        self._prefix += text
+        return True
+
+
+# In an engine core process: xgrammar's vocabulary view by (vocab size, stop ids).
+_CORE_INFOS: dict[tuple[int, tuple[int, ...]], xgr.TokenizerInfo] = {}
+_CORE_INFOS_LOCK = threading.Lock()
+
+
+def _restore_provider(
+    grammar_json: str, vocab_size: int, stop_ids: list[int], prefix: str
+) -> GrammarMaskProvider:
+    """Unpickle a provider in the engine core, against the core's own tokenizer."""
+    from engine.core_process import core_tokenizer
+
+    key = (vocab_size, tuple(stop_ids))
+    with _CORE_INFOS_LOCK:
+        info = _CORE_INFOS.get(key)
+        if info is None:
+            tokenizer = core_tokenizer()
+            if tokenizer is None:
+                raise RuntimeError("a grammar reached an engine core without a tokenizer")
+            info = grammar_tokenizer_info(
+                tokenizer, vocab_size=vocab_size, eos_token_id=stop_ids[0]
+            )
+            _CORE_INFOS[key] = info
+    provider = GrammarMaskProvider(
+        xgr.CompiledGrammar.deserialize_json(grammar_json, info), vocab_size
+    )
+    if prefix and not provider.accept_text(prefix):
+        raise RuntimeError("a grammar's accepted prefix does not fit it after the transfer")
+    return provider
 
 
 def bitmask_to_bool(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -15,7 +15,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from engine.model.candidates import candidate_block_mask, select_topk
+from engine.model.candidates import (
+    candidate_block_mask,
+    mask_columns,
+    select_topk,
+    select_topk_among,
+)
 from engine.model.compressor import Compressor
 from engine.model.config import LayerRole, ModelConfig
 from engine.model.fp8_linear import linear32
@@ -198,10 +203,18 @@ class Attention(nn.Module):
         """
         assert self.indexer is not None and self.kv_source is not None
         qi, w = self.indexer.queries(qr, x, pos)
+        if sel.candidates is not None and self.layer_id > self.candidate_source:
+            # Only the candidate blocks' entries can be picked, and they are all
+            # visible (``candidate_block_mask``): score just those, so this layer's
+            # work does not grow with the context.
+            width = self.candidate_block_size * self.candidate_topk_blocks
+            entries = mask_columns(sel.candidates, min(width, sel.candidates.shape[1]))
+            scores = kv.index_scores_at(self.kv_source, qi, w, self.indexer.score_scale, entries)
+            picked = select_topk_among(scores, entries, self.index_topk)
+            sel.topk[self.layer_id] = picked
+            return picked
         scores, visible = kv.index_scores(self.kv_source, qi, w, self.indexer.score_scale)
         allowed = visible
-        if sel.candidates is not None and self.layer_id > self.candidate_source:
-            allowed = visible & sel.candidates
         if self.layer_id == self.candidate_source:
             sel.candidates = candidate_block_mask(
                 scores, visible, self.candidate_block_size, self.candidate_topk_blocks

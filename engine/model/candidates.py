@@ -45,13 +45,30 @@ def select_topk(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Te
 
     With fewer than k visible entries every visible one is taken.
     """
-    t, _ = scores.shape
-    take = _top_mask(upcast(scores), visible, k)
-    rows, cols = take.nonzero(as_tuple=True)  # row-major: columns ascend within a row
-    rank = take.cumsum(dim=-1)[rows, cols] - 1
-    idx = torch.full((t, k), -1, dtype=torch.long, device=scores.device)
+    return mask_columns(_top_mask(upcast(scores), visible, k), k)
+
+
+def mask_columns(mask: torch.Tensor, width: int) -> torch.Tensor:
+    """LongTensor [T, width]: the True columns of each row of ``mask``, ascending, -1 padded.
+
+    Each row must hold at most ``width`` True columns.
+    """
+    rows, cols = mask.nonzero(as_tuple=True)  # row-major: columns ascend within a row
+    rank = mask.cumsum(dim=-1)[rows, cols] - 1
+    idx = torch.full((mask.shape[0], width), -1, dtype=torch.long, device=mask.device)
     idx[rows, rank] = cols
     return idx
+
+
+def select_topk_among(scores: torch.Tensor, entries: torch.Tensor, k: int) -> torch.Tensor:
+    """``select_topk`` over a compact list: ``entries`` [T, K] (ascending, -1 padded) and
+    their ``scores`` [T, K] -> the k best entries' ids [T, k], ascending, -1 padded.
+
+    The same picks as ``select_topk`` over the dense row with only these entries
+    allowed: the list is ascending, so a tie still goes to the lower entry.
+    """
+    local = select_topk(scores, entries >= 0, k)
+    return torch.where(local >= 0, entries.gather(1, local.clamp(min=0)), -1)
 
 
 def candidate_block_mask(

@@ -158,6 +158,19 @@ class DenseKV:
         scores = indexer_scores(qi, weights, keys, scale)
         return scores, visible_entries(self._pos, keys.shape[0], self.ratios[source_id])
 
+    def index_scores_at(
+        self,
+        source_id: int,
+        qi: torch.Tensor,
+        weights: torch.Tensor,
+        scale: float,
+        entries: torch.Tensor,
+    ) -> torch.Tensor:
+        # The oracle keeps the dense scores and picks the listed columns out of them.
+        scores, _ = self.index_scores(source_id, qi, weights, scale)
+        picked = scores.gather(1, entries.clamp(min=0))
+        return picked.masked_fill(entries < 0, float("-inf"))
+
     def attend(
         self,
         layer_id: int,

@@ -8,7 +8,8 @@ things that depend on where bytes live, and for nothing else:
 - each row's last n token ids (Engram's n-grams reach across chunk boundaries);
 - storing a layer's SWA KV, grouping a kv source's compressor rows (an open
   group may have begun in an earlier step) and storing its compressed entries;
-- index scores of queries against a kv source's stored keys;
+- index scores of queries against a kv source's stored keys (all of them, or a
+  listed few per row);
 - attention over the SWA window plus a selection of compressed entries.
 
 Two implementations: ``engine.model.dense_backend.DenseKV`` (whole sequence,
@@ -73,6 +74,19 @@ class KVBackend(Protocol):
         weights [T, h] against kv source ``source_id``'s index keys:
         ``sum_h w[t, h] (relu(qi[t, h] . k[s]) scale)``; entry ``s`` visible iff
         ``s < (pos + 1) // ratio``."""
+        ...
+
+    def index_scores_at(
+        self,
+        source_id: int,
+        qi: torch.Tensor,
+        weights: torch.Tensor,
+        scale: float,
+        entries: torch.Tensor,
+    ) -> torch.Tensor:
+        """Scores [T, K] fp32 of the listed entries ``entries`` [T, K] (-1 padded: -inf there)
+        of kv source ``source_id``, the same formula as ``index_scores``; the entries
+        are visible to their row (the caller's contract)."""
         ...
 
     def attend(

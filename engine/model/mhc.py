@@ -26,11 +26,16 @@ def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     So ``iters = 20`` makes 1 + 2 * 19 = 39 passes, ending on a column pass:
     columns sum to 1 (up to eps), rows only approximately.
     """
-    c = torch.softmax(upcast(logits), dim=-1) + eps
-    c = c / (c.sum(dim=-2, keepdim=True) + eps)
+    # In place, into two small sum buffers: the same arithmetic in the same order as
+    # ``c = c / (c.sum(dim) + eps)`` per pass, without three fresh tensors per pass
+    # (the passes are tiny; their cost is per operation, not per element).
+    c = torch.softmax(upcast(logits), dim=-1).add_(eps)
+    cols = c.sum(dim=-2, keepdim=True)
+    c.div_(cols.add_(eps))
+    rows = torch.empty_like(c[..., :1])
     for _ in range(iters - 1):
-        c = c / (c.sum(dim=-1, keepdim=True) + eps)
-        c = c / (c.sum(dim=-2, keepdim=True) + eps)
+        c.div_(torch.sum(c, dim=-1, keepdim=True, out=rows).add_(eps))
+        c.div_(torch.sum(c, dim=-2, keepdim=True, out=cols).add_(eps))
     return c
 
 

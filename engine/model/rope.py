@@ -87,8 +87,27 @@ def rope_cos_sin(
     FP8/FP4 roundings downstream. Kernels build their cos/sin tables from this
     function so they rotate by the same angles as the reference.
     """
+    key = (id(positions), positions._version, id(inv_freq), inv_freq._version)
+    hit = _COS_SIN.get(key)
+    # The entry holds both tensors, so their ids cannot be reused while it lives.
+    if hit is not None and hit[0] is positions and hit[1] is inv_freq:
+        return hit[2], hit[3]
     angle = positions.to(torch.float32)[:, None] * inv_freq.to(torch.float32)[None, :]
-    return angle.cos(), angle.sin()
+    cos, sin = angle.cos(), angle.sin()
+    if not positions.requires_grad and not inv_freq.requires_grad:
+        if len(_COS_SIN) >= _COS_SIN_ENTRIES:
+            _COS_SIN.clear()
+        _COS_SIN[key] = (positions, inv_freq, cos, sin)
+    return cos, sin
+
+
+# A layer rotates its queries, SWA key and output at the same positions with the
+# same frequencies: (cos, sin) is computed once per (positions, frequencies)
+# tensor pair and version. Callers must not modify the returned tensors.
+_COS_SIN_ENTRIES = 16
+_COS_SIN: dict[
+    tuple[int, int, int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+] = {}
 
 
 def apply_rope(

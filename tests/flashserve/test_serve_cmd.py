@@ -241,3 +241,11 @@ def test_serve_reserve_shortfall_is_refused(tmp_path: Path) -> None:
     assert message is not None and message.startswith("cpu: weights (0.1 GiB), activation")
     bad_page = serve_cmd.check_memory_plan(_args("--model", str(path), "--page-tokens", "3"), path)
     assert bad_page is not None and "not a multiple" in bad_page
+
+
+def test_the_engine_core_runs_in_its_own_process_unless_asked() -> None:
+    assert serve_cmd.in_process_engine(_args(), env={}) is False
+    assert serve_cmd.in_process_engine(_args("--in-process-engine"), env={}) is True
+    for value, expected in (("1", True), ("true", True), ("YES", True), ("0", False), ("", False)):
+        env = {serve_cmd.IN_PROCESS_ENV: value}
+        assert serve_cmd.in_process_engine(_args(), env=env) is expected, value

@@ -20,6 +20,7 @@ from kernels.indexer_ops import (
     block_max,
     block_max_reference,
     indexer_scores,
+    indexer_scores_at,
     indexer_scores_reference,
 )
 from kernels.kv_cache_ops import gather_index_keys_reference, store_kv_entries_reference
@@ -158,6 +159,46 @@ def test_indexer_reference_float64_queries(seed):
     assert torch.equal(torch.isneginf(got), torch.isneginf(want))
     shown = ~torch.isneginf(want)
     assert ((got - want).abs()[shown] <= 1e-13 * (1 + mag[shown])).all()
+
+
+@pytest.mark.parametrize("budget_rows", [1, 64])
+def test_indexer_reference_rows_alone_on_their_tables(seed, monkeypatch, budget_rows):
+    """Decode-like rows (one per table, ragged contexts): the batched page-block pass.
+
+    ``budget_rows`` 1 makes every block one page wide, so rows drop out of the
+    batch block by block as their contexts end.
+    """
+    monkeypatch.setattr(indexer_ops_module, "_REFERENCE_ROWS", budget_rows)
+    monkeypatch.setattr(indexer_ops_module, "_REFERENCE_COLS", 4)
+    g = torch.Generator().manual_seed(seed)
+    rows, entries, num_pages, n_cols = 5, 4, 6, 21
+    data, scales = index_pages(g, num_pages, entries)
+    block_tables = torch.stack([torch.randperm(num_pages, generator=g) for _ in range(rows)])
+    n_visible = torch.tensor([21, 0, 7, 13, 4])
+    qi = torch.randn(rows, 3, 128, generator=g)
+    w = torch.randn(rows, 3, generator=g)
+    case = (qi, w, data, scales, block_tables, n_visible, n_cols)
+    assert_scores_close(indexer_scores_reference(*case), *oracle_scores(*case))
+
+
+def test_indexer_scores_at_equals_the_oracle_at_the_listed_entries(seed):
+    qi, w, data, scales, block_tables, n_visible, n_cols = scoring_case(
+        torch.Generator().manual_seed(seed), 4, 4, 3, 8, 20
+    )
+    want, mag = oracle_scores(qi, w, data, scales, block_tables, n_visible, n_cols)
+    g = torch.Generator().manual_seed(seed + 1)
+    entries = torch.full((4, 6), -1, dtype=torch.long)
+    for t in range(4):
+        n = int(n_visible[t])
+        chosen = torch.randperm(n, generator=g)[: min(n, 5)].sort().values
+        entries[t, : chosen.numel()] = chosen
+    got = indexer_scores_at(qi, w, data, scales, block_tables, entries)
+    assert got.shape == (4, 6) and got.dtype == torch.float32
+    listed = entries >= 0
+    assert torch.isneginf(got[~listed]).all()
+    j = entries.clamp(min=0)
+    err = (got.double() - want.gather(1, j)).abs()[listed]
+    assert (err <= 1e-5 * (1 + mag.gather(1, j)[listed])).all()
 
 
 def oracle_block_max(scores: torch.Tensor, block_size: int) -> list[list[float]]:

@@ -417,3 +417,34 @@ def test_auto_tool_choice_without_a_call_is_free_text(compiler) -> None:
     provider = fresh_auto(compiler)
     assert provider.accept_text("Any   text,\n\n  with blanks { and braces")
     assert provider.is_completed()  # EOS may end a plain answer
+
+
+def test_a_provider_pickled_to_an_engine_core_keeps_its_grammar_and_prefix(
+    compiler, tokenizer, monkeypatch
+) -> None:
+    """What crosses to the core process: the compiled grammar and the prefix it accepted;
+    the copy, rebuilt against the core's tokenizer, allows exactly the same tokens."""
+    import pickle
+
+    import engine.core_process
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}}
+    original = compiler.for_request(
+        response_format=request(response_format=fmt).response_format, prefix='{"name":"ab'
+    )
+    assert original is not None
+    data = pickle.dumps(original)
+    with pytest.raises(RuntimeError, match="without a tokenizer"):
+        pickle.loads(data)  # outside a core process there is no tokenizer to rebuild from
+    monkeypatch.setattr(engine.core_process, "_TOKENIZER", [tokenizer])
+    copy = pickle.loads(data)
+    for text in ("", 'c","age":1', "2"):
+        for token in tokenizer.encode(text, add_special_tokens=False).ids:
+            original.accept(token)
+            copy.accept(token)
+        assert torch.equal(copy.allowed_tokens(), original.allowed_tokens()), text
+    # The prefix was replayed: a second name cannot start, the object goes on after "age".
+    assert copy.is_terminated() is False
+    for token in tokenizer.encode(',"address":{"zip":"123"}}', add_special_tokens=False).ids:
+        copy.accept(token)
+    assert copy.is_completed()

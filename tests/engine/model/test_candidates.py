@@ -2,7 +2,13 @@ from __future__ import annotations
 
 import torch
 
-from engine.model.candidates import candidate_block_mask, select_topk, visible_entries
+from engine.model.candidates import (
+    candidate_block_mask,
+    mask_columns,
+    select_topk,
+    select_topk_among,
+    visible_entries,
+)
 
 INF = float("inf")
 
@@ -123,3 +129,21 @@ def test_select_topk_equals_a_python_sort_oracle_with_many_ties():
             picks = sorted(s for s in ranked[:k] if visible[t, s])
             expected = picks + [-1] * (k - len(picks))
             assert got[t].tolist() == expected
+
+
+def test_mask_columns_lists_true_columns_ascending():
+    mask = torch.tensor([[False, True, False, True], [False] * 4, [True, True, True, False]])
+    assert mask_columns(mask, 3).tolist() == [[1, 3, -1], [-1, -1, -1], [0, 1, 2]]
+
+
+def test_select_topk_among_equals_select_topk_over_the_allowed_dense_row():
+    """A Reindex layer scores only its candidates: same picks as the dense row with
+    everything else disallowed, ties included (integer scores make many)."""
+    g = torch.Generator().manual_seed(7)
+    scores = torch.randint(0, 4, (6, 40), generator=g).float()
+    allowed = torch.rand(6, 40, generator=g) < 0.3
+    allowed[0] = False  # a row with no candidate
+    entries = mask_columns(allowed, 40)
+    compact = scores.gather(1, entries.clamp(min=0)).masked_fill(entries < 0, float("-inf"))
+    for k in (1, 3, 16):
+        assert torch.equal(select_topk_among(compact, entries, k), select_topk(scores, allowed, k))

@@ -119,3 +119,17 @@ def test_rmsnorm_matches_float64_formula():
     out = norm(x.bfloat16())
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.double(), want, rtol=2e-2, atol=2e-2)
+
+
+def test_rope_cos_sin_reuse_follows_in_place_changes():
+    """(cos, sin) are reused for the same positions tensor, and recomputed once it changes."""
+    from engine.model.rope import rope_cos_sin
+
+    inv_freq = torch.tensor([1.0, 0.5, 0.25])
+    pos = torch.tensor([0, 3, 7])
+    first = rope_cos_sin(pos, inv_freq)
+    assert rope_cos_sin(pos, inv_freq)[0] is first[0]  # reused
+    pos += 1  # in place: a new version
+    cos, sin = rope_cos_sin(pos, inv_freq)
+    angle = torch.tensor([1.0, 4.0, 8.0])[:, None] * inv_freq[None, :]
+    assert torch.equal(cos, angle.cos()) and torch.equal(sin, angle.sin())
