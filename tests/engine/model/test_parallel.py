@@ -160,3 +160,17 @@ def test_single_is_the_identity():
         Parallel(tp_rank=0, tp_size=3).tp_part(8, "num_attention_heads")
     with pytest.raises(ValueError, match="ep_dispatch"):
         Parallel(ep_dispatch=True)
+
+
+def test_tp_keeps_its_split_linears_unpacked_and_packs_the_rest(checkpoint):
+    """quantization="auto" under TP: the split linears load dequantised (their
+    slices), the replicated FP8 linears keep the checkpoint's bytes."""
+    from engine.model.fp8_linear import packed_modules
+
+    _, rank0 = load_checkpoint(checkpoint, parallel=Parallel(tp_rank=0, tp_size=2))
+    packed = packed_modules(rank0)
+    assert "layers.2.attn.wq_a" in packed and "layers.2.attn.wkv" in packed
+    for name in ("attn.wq_b", "attn.wo_a", "attn.wo_b", "ffn.shared_experts.w1"):
+        assert "layers.2." + name not in packed
+    heads = rank0.config.num_attention_heads // 2 * rank0.config.head_dim
+    assert rank0.state_dict()["layers.2.attn.wq_b.weight"].shape[0] == heads
