@@ -114,11 +114,12 @@ def _score_rows_batched(
     E = index_data.shape[1]
     n = n_visible[rows]
     order = torch.argsort(n, descending=True, stable=True)
-    rows, n = rows[order], n[order].tolist()
+    rows = rows[order]
+    lengths: list[int] = n[order].tolist()
     budget = max(1, _REFERENCE_ROWS * _REFERENCE_COLS // 4)  # entries of keys per block
-    p, n_pages = 0, -(-n[0] // E)
+    p, n_pages = 0, -(-lengths[0] // E)
     while p < n_pages:
-        active = sum(1 for m in n if m > p * E)  # rows sorted: a prefix
+        active = sum(1 for m in lengths if m > p * E)  # rows sorted: a prefix
         span = max(1, min(budget // (active * E), n_pages - p))
         r = rows[:active]
         k = read_index_pages(index_data, index_scales, block_tables[r, p : p + span])

@@ -149,7 +149,9 @@ def linear32(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
     """``x W^T`` in the compute dtype (fp32, float64 for float64 x), packed or not."""
     if isinstance(layer, Fp8Linear):
         return layer(upcast(x))
-    return F.linear(upcast(x), upcast(layer.weight))
+    weight = layer.weight
+    assert isinstance(weight, torch.Tensor)
+    return F.linear(upcast(x), upcast(weight))
 
 
 def packed_module(module: nn.Module) -> _Packed | None:

@@ -107,6 +107,14 @@ class RoutedExperts(nn.Module):
     ``first + e``, and the forward computes only the (token, slot) pairs routed to them.
     """
 
+    # Registered in __init__ as parameters (unpacked) or buffers (packed).
+    w1: torch.Tensor
+    w2: torch.Tensor
+    w3: torch.Tensor
+    w1_scale: torch.Tensor
+    w2_scale: torch.Tensor
+    w3_scale: torch.Tensor
+
     def __init__(
         self,
         n_experts: int,

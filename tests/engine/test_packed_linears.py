@@ -343,6 +343,6 @@ def test_greedy_tokens_packed_equal_none_on_the_trained_demo_model() -> None:
         tokens[quantization] = _greedy(build_engine(config, demo), prompt, 16)
     # With the dense linears packed alone all 16 tokens held; with the experts packed
     # as well the first 12 do (measured), then a near-tie flips. Eight is the bound.
-    same = next((i for i, (a, b) in enumerate(zip(*tokens.values())) if a != b), 16)
+    same = next((i for i, (a, b) in enumerate(zip(*tokens.values(), strict=True)) if a != b), 16)
     assert same >= 8, tokens
     assert len(tokens["auto"]) == 16
