@@ -30,6 +30,7 @@ from engine.model.engram import Engram, build_compressed_vocab, tables_on_meta
 from engine.model.engram_table import MappedEngramTable, tensor_span
 from engine.model.fp8_linear import pack_linears
 from engine.model.model import DeepseekV41
+from engine.model.parallel import SINGLE, Parallel, expert_of, tp_split_dim
 from engine.model.routed_experts import SCALE, RoutedExperts, packed_experts
 from engine.tokenizer import load_tokenizer
 from engine.weight_stream import TensorRead, stream_into
@@ -382,6 +383,7 @@ def empty_model(
     device: str | torch.device = "cpu",
     engram_tables_on_meta: bool = False,
     quantization: str = "none",
+    parallel: Parallel = SINGLE,
 ) -> DeepseekV41:
     """``DeepseekV41`` on ``device`` with uninitialised parameters in ``dtype``.
 
@@ -394,12 +396,14 @@ def empty_model(
     engine/model/routed_experts.py) and packs every linear the format table
     stores as FP8 blocks (``Fp8Linear``), as a release-format checkpoint loads;
     ``"none"``: everything unpacked in ``dtype``.
+    ``parallel``: only this rank's TP and EP shares (engine/model/parallel.py);
+    with TP the linears TP splits stay unpacked (``_tp_unpacked``).
     """
     check_quantization(quantization)
-    model = _build(config, dtype, device, engram_tables_on_meta, quantization == "auto")
+    model = _build(config, dtype, device, engram_tables_on_meta, quantization == "auto", parallel)
     if quantization == "auto":
         names = [n for n in model.state_dict() if weight_format(n) is WeightFormat.FP8_BLOCK]
-        pack_linears(model, names)
+        pack_linears(model, _tp_unpacked(names, parallel))
     return model
 
 
@@ -409,6 +413,7 @@ def _build(
     device: str | torch.device,
     engram_tables_on_meta: bool,
     experts_packed: bool,
+    parallel: Parallel = SINGLE,
 ) -> DeepseekV41:
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -420,7 +425,7 @@ def _build(
                 stack.enter_context(tables_on_meta())
             if experts_packed:
                 stack.enter_context(packed_experts())
-            return DeepseekV41(config)
+            return DeepseekV41(config, parallel)
     finally:
         torch.set_default_dtype(previous)
 
@@ -518,7 +523,7 @@ def packed_expert_targets(
             continue
         for name, (n_experts, rows, cols) in module.shapes().items():
             for e in range(n_experts):
-                key = f"{prefix}.{e}.{name}.weight"
+                key = f"{prefix}.{module.first + e}.{name}.weight"
                 if key not in targets:  # a layer this load leaves out
                     continue
                 del targets[scale_name(key)]
@@ -595,6 +600,7 @@ def load_checkpoint(
     engram_mmap: bool | None = None,
     progress: bool | None = None,
     quantization: str = "auto",
+    parallel: Parallel = SINGLE,
 ) -> tuple[ModelConfig, DeepseekV41]:
     """Read ``config.json``, the weights and the Engram vocabulary of ``path`` into a model.
 
@@ -609,7 +615,11 @@ def load_checkpoint(
     MXFP4 bytes, copied as they are) when the checkpoint stores them so, and each
     FP8-block weight stored as ``F8_E4M3`` packed (an ``Fp8Linear`` holding the
     stored bytes, activations quantised per block of 32 at run time); ``"none"``
-    dequantises every weight at load into ``dtype``."""
+    dequantises every weight at load into ``dtype``.
+    ``parallel``: load this rank's shares only (docs/design/parallelism.md): its
+    EP experts (the others' tensors are not read) and its TP slices of the split
+    tensors (rows read as a slice; column splits read whole rows, then cut; these
+    load dequantised, packed FP8 TP shards are not done yet)."""
     check_quantization(quantization)
     path = Path(path)
     config = ModelConfig.from_json(path / "config.json")
@@ -618,7 +628,7 @@ def load_checkpoint(
         if engram_mmap is None:
             engram_mmap = _wants_engram_mmap(files, shards)
         experts_packed = quantization == "auto" and experts_stored_packed(files, shards)
-    model = _build(config, dtype, device, engram_mmap, experts_packed)
+    model = _build(config, dtype, device, engram_mmap, experts_packed, parallel)
     decoder: tuple[str, ...] = ()
     if encoder_only:
         model.drop_decoder_layers()
@@ -627,19 +637,28 @@ def load_checkpoint(
     def decoder_layer(name: str) -> str | None:
         return "decoder-layer" if decoder and name.startswith(decoder) else None
 
+    first, stop = parallel.experts(config.n_routed_experts)
+
+    def left_out(name: str) -> str | None:
+        expert = expert_of(name)
+        if expert is not None and not first <= expert < stop:
+            return "other-rank-expert"
+        return decoder_layer(name)
+
     packed_linears: set[str] = set()
     if quantization == "auto":
         with _Shards(files) as shards:
             names = packable_weights(list(model.state_dict(keep_vars=True)), files, shards)
-        packed_linears = set(pack_linears(model, names))
+        packed_linears = set(pack_linears(model, _tp_unpacked(names, parallel)))
     targets = model.state_dict(keep_vars=True)
     packed = packed_expert_targets(model, targets)
+    tp_shards = tp_shard_targets(targets, parallel)
     with _Shards(files) as shards, torch.no_grad():
         # A packed weight's `.scale` is a buffer of the model now: the plan sees
         # it as the weight's sibling, as for a dequantised load.
         packed_scales = {scale_name(n) for n in packed_linears}
         planned = {n: t for n, t in targets.items() if n not in packed_scales}
-        entries, skipped = _plan(planned, files, shards, decoder_layer)
+        entries, skipped = _plan(planned, files, shards, left_out)
         absent = [n for n in targets if optional_tensor(n) and n not in files]
         for name in absent:
             targets[name].zero_()
@@ -652,6 +671,9 @@ def load_checkpoint(
                 continue
             if entry.name in packed:
                 reads.extend(_packed_expert_reads(entry, packed[entry.name], shards))
+                continue
+            if entry.name in tp_shards:
+                reads.append(_tp_shard_read(entry, tp_shards[entry.name], shards))
                 continue
             if entry.name in packed_linears:
                 reads.extend(_packed_reads(entry.name, targets, shards))
@@ -667,3 +689,82 @@ def load_checkpoint(
         else:
             logger.warning("%s has no %s: Engram token classes left unset", path, TOKENIZER_FILE)
     return config, model
+
+
+# ----------------------------------------------------------------- tensor-parallel shards
+
+
+@dataclass(frozen=True, slots=True)
+class _TPShard:
+    """Where one TP-split tensor's slice goes: stored ``[start, stop)`` along ``dim``."""
+
+    target: torch.Tensor  # this rank's parameter
+    dim: int
+    start: int
+    stop: int
+
+
+def tp_shard_targets(targets: dict[str, torch.Tensor], parallel: Parallel) -> dict[str, _TPShard]:
+    """Take the TP-split entries (``engine.model.parallel.TP_SPLIT``) out of ``targets``.
+
+    Each is replaced by a ``meta`` placeholder of the stored (whole) shape, so
+    ``_plan`` checks the checkpoint exactly as for one process.
+    """
+    out: dict[str, _TPShard] = {}
+    if parallel.tp_size == 1:
+        return out
+    for name, target in list(targets.items()):
+        dim = tp_split_dim(name)
+        if dim is None:
+            continue
+        part = target.shape[dim]
+        whole = list(target.shape)
+        whole[dim] = part * parallel.tp_size
+        start = parallel.tp_rank * part
+        out[name] = _TPShard(target, dim, start, start + part)
+        targets[name] = torch.empty(whole, dtype=target.dtype, device="meta")
+    return out
+
+
+def _tp_unpacked(names: list[str], parallel: Parallel) -> list[str]:
+    """``names`` less the tensors TP splits, when it does: their shards are sliced
+    from the dequantised tensor (a packed FP8 shard on 32-row/column blocks with
+    its scales is not done yet)."""
+    if parallel.tp_size == 1:
+        return names
+    return [n for n in names if tp_split_dim(n) is None]
+
+
+def _tp_shard_read(entry: _Entry, shard: _TPShard, shards: _Shards) -> TensorRead:
+    """Rows ``[start, stop)`` read as a slice (on FP8 block boundaries, with their
+    scales), or whole rows dequantised and cut to columns ``[start, stop)``."""
+    fmt = entry.quantised
+    scale = scale_name(entry.name) if fmt else None
+    block = QUANT_BLOCK if fmt is WeightFormat.FP8_BLOCK else 1
+    start, stop = shard.start, shard.stop
+
+    def stored_bytes(name: str, rows: int | None) -> int:
+        dtype, shape = shards.header(name)
+        n = math.prod(shape) if rows is None else rows * math.prod(shape[1:])
+        return n * _DTYPE_BYTES.get(dtype, 1)
+
+    if shard.dim == 0:
+        if start % block:
+            raise CheckpointError(
+                entry.name, f"TP shard starts at row {start}, not on a {block}-row FP8 block"
+            )
+        nbytes = stored_bytes(entry.name, stop - start)
+        if scale is not None:
+            nbytes += stored_bytes(scale, math.ceil(stop / block) - start // block)
+
+        def convert(weight: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+            return dequantize(fmt, weight, scales, torch.float32)
+
+        return TensorRead(entry.name, shard.target, convert, nbytes, scale, block, row_offset=start)
+
+    nbytes = stored_bytes(entry.name, None) + (stored_bytes(scale, None) if scale else 0)
+
+    def columns(weight: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+        return dequantize(fmt, weight, scales, torch.float32)[:, start:stop]
+
+    return TensorRead(entry.name, shard.target, columns, nbytes, scale, block)

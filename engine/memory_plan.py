@@ -41,7 +41,6 @@ logits of ``max_num_seqs`` rows.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -49,6 +48,7 @@ from typing import Any
 from engine.accounting import param_shapes, swa_kv_bytes_per_request
 from engine.checkpoint import QUANT_BLOCK, WeightFormat, weight_format
 from engine.model.config import ModelConfig
+from engine.model.parallel import tp_split_dim
 from kvstore.layout import kv_layout
 
 GIB = 1 << 30
@@ -120,28 +120,16 @@ class Topology:
         return " x ".join(parts)
 
 
-# What tensor parallelism splits, and along which dimension (0: output rows, 1: input
-# columns). Everything else is replicated on every rank of a TP group.
-_TP_SPLIT: tuple[tuple[re.Pattern[str], int], ...] = (
-    (re.compile(r"\.attn\.wq_b\.weight$"), 0),  # query heads
-    (re.compile(r"\.attn\.attn_sink$"), 0),  # one sink per query head
-    (re.compile(r"\.attn\.wo_a\.weight$"), 0),  # the o_groups groups
-    (re.compile(r"\.attn\.wo_b\.weight$"), 1),  # its input is the groups' output
-    (re.compile(r"\.ffn\.shared_experts\.w[13]\.weight$"), 0),  # shared intermediate
-    (re.compile(r"\.ffn\.shared_experts\.w2\.weight$"), 1),
-)
-
-
 def tp_shard_shape(
     name: str, shape: tuple[int, ...], tensor_parallel_size: int
 ) -> tuple[int, ...] | None:
     """One TP rank's shape of tensor ``name``, or None when TP replicates it."""
-    for pattern, dim in _TP_SPLIT:
-        if pattern.search(name):
-            out = list(shape)
-            out[dim] //= tensor_parallel_size
-            return tuple(out)
-    return None
+    dim = tp_split_dim(name)  # the rule the loader slices by
+    if dim is None:
+        return None
+    out = list(shape)
+    out[dim] //= tensor_parallel_size
+    return tuple(out)
 
 
 def check_topology(config: ModelConfig, devices: int, topology: Topology) -> None:

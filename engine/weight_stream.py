@@ -56,6 +56,8 @@ class TensorRead:
     ``scale_rows``: logical rows one scale row covers (32 for FP8 blocks, else 1);
     a slice then starts on a multiple of it. ``nbytes``: stored bytes of the
     weight and its scale, from the headers (what the progress bar counts).
+    ``row_offset``: the target is stored rows ``[row_offset, row_offset + rows)``
+    (a tensor-parallel shard; a multiple of ``scale_rows``); None: all of them.
     """
 
     name: str
@@ -64,6 +66,7 @@ class TensorRead:
     nbytes: int
     scale: str | None = None
     scale_rows: int = 1
+    row_offset: int | None = None
 
 
 @dataclass(slots=True)
@@ -172,7 +175,8 @@ def _count(
 def _fill(read: TensorRead, files: dict[str, Path], shards: _OpenShards) -> int:
     """Copy one tensor into its parameter, slice by slice; the stored bytes read."""
     target = read.target
-    if target.dim() == 0 or target.numel() <= CHUNK_ELEMENTS:
+    off = read.row_offset or 0
+    if (target.dim() == 0 or target.numel() <= CHUNK_ELEMENTS) and read.row_offset is None:
         w = shards.handle(files[read.name]).get_tensor(read.name)
         s = shards.handle(files[read.scale]).get_tensor(read.scale) if read.scale else None
         target.copy_(read.convert(w, s))
@@ -187,10 +191,10 @@ def _fill(read: TensorRead, files: dict[str, Path], shards: _OpenShards) -> int:
     read_bytes = 0
     rows = target.shape[0]
     for r0, r1 in _row_slices(rows, math.prod(target.shape[1:]), read.scale_rows):
-        w = weight[r0:r1]
+        w = weight[off + r0 : off + r1]
         s = None
         if scale is not None:
-            s = scale[r0 // read.scale_rows : math.ceil(r1 / read.scale_rows)]
+            s = scale[(off + r0) // read.scale_rows : math.ceil((off + r1) / read.scale_rows)]
         # fp32 on the CPU, rounded once into the parameter's dtype on its device.
         target[r0:r1].copy_(read.convert(w, s))
         read_bytes += _count(shards, files, read, w, s)

@@ -27,6 +27,7 @@ from engine.model.fp8_linear import linear32
 from engine.model.indexer import Indexer
 from engine.model.kv_backend import KVBackend
 from engine.model.norm import RMSNorm
+from engine.model.parallel import SINGLE, Parallel
 from engine.model.precision import upcast
 from engine.model.rope import rope_inv_freq, rope_tail
 
@@ -82,9 +83,10 @@ class Attention(nn.Module):
 
     inv_freq: torch.Tensor
 
-    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int, parallel: Parallel = SINGLE) -> None:
         super().__init__()
         self.layer_id = layer_id
+        self.parallel = parallel
         self.role = config.role(layer_id)
         self.kv_source = config.kv_source(layer_id) if self.role is not LayerRole.SWA_ONLY else None
         self.index_source = config.index_source(layer_id)
@@ -92,20 +94,21 @@ class Attention(nn.Module):
         self.index_topk = config.index_topk
         self.candidate_block_size = config.candidate_block_size
         self.candidate_topk_blocks = config.candidate_topk_blocks
-        dim, heads, head_dim = config.hidden_size, config.num_attention_heads, config.head_dim
+        dim, head_dim = config.hidden_size, config.head_dim
+        # TP: this rank's query heads and wo_a groups (docs/design/parallelism.md).
+        heads = parallel.tp_part(config.num_attention_heads, "num_attention_heads")
         self.n_heads = heads
         self.head_dim = head_dim
-        self.o_groups = config.o_groups
+        self.o_groups = parallel.tp_part(config.o_groups, "o_groups")
         eps = config.rms_norm_eps
         self.wq_a = nn.Linear(dim, config.q_lora_rank, bias=False)
         self.q_norm = RMSNorm(config.q_lora_rank, eps)
         self.wq_b = nn.Linear(config.q_lora_rank, heads * head_dim, bias=False)
         self.wkv = nn.Linear(dim, head_dim, bias=False)
         self.kv_norm = RMSNorm(head_dim, eps)
-        self.wo_a = GroupedLinear(
-            heads // config.o_groups * head_dim, config.o_lora_rank, config.o_groups
-        )
-        self.wo_b = nn.Linear(config.o_groups * config.o_lora_rank, dim, bias=False)
+        in_per_group = heads // self.o_groups * head_dim
+        self.wo_a = GroupedLinear(in_per_group, config.o_lora_rank, self.o_groups)
+        self.wo_b = nn.Linear(self.o_groups * config.o_lora_rank, dim, bias=False)
         self.attn_sink = nn.Parameter(torch.zeros(heads, dtype=torch.float32))
         self.compressor = (
             Compressor(config, layer_id) if layer_id in config.kv_source_layer_ids else None
@@ -146,7 +149,8 @@ class Attention(nn.Module):
         dtype = o.dtype
         o = rope_tail(o, positions, self.inv_freq, inverse=True)
         grouped = self.wo_a(o.reshape(o.shape[0], self.o_groups, -1)).to(dtype)
-        return _linear32(grouped.flatten(1), self.wo_b).to(dtype)
+        # TP: each rank's wo_b sees its groups only; the sum over ranks is the output.
+        return self.parallel.tp_all_reduce(_linear32(grouped.flatten(1), self.wo_b)).to(dtype)
 
     # ------------------------------------------------------------ forward
     def store_kv(self, x: torch.Tensor, kv: KVBackend) -> None:

@@ -12,20 +12,21 @@ from engine.model.kv_backend import KVBackend
 from engine.model.mhc import hc_coefficients, hc_collapse, hc_mix
 from engine.model.moe import MoE
 from engine.model.norm import RMSNorm
+from engine.model.parallel import SINGLE, Parallel
 
 
 class Block(nn.Module):
     """Layer ``layer_id``: parameters under their official checkpoint names."""
 
-    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int, parallel: Parallel = SINGLE) -> None:
         super().__init__()
         self.layer_id = layer_id
         dim, hc = config.hidden_size, config.hc_mult
         n_coef = (2 + hc) * hc
         self.attn_norm = RMSNorm(dim, config.rms_norm_eps)
         self.ffn_norm = RMSNorm(dim, config.rms_norm_eps)
-        self.attn = Attention(config, layer_id)
-        self.ffn = MoE(config)
+        self.attn = Attention(config, layer_id, parallel)
+        self.ffn = MoE(config, parallel)
         self.engram = Engram(config, layer_id) if layer_id in config.engram_layer_ids else None
         # mHC coefficients are computed in fp32 (docs/design/architecture.md §1.3).
         self.hc_attn_fn = nn.Parameter(torch.empty(n_coef, hc * dim, dtype=torch.float32))

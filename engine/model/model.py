@@ -20,6 +20,7 @@ from engine.model.kv_backend import KVBackend
 from engine.model.layer import Block
 from engine.model.mhc import hc_collapse, hc_initial_pre
 from engine.model.norm import RMSNorm
+from engine.model.parallel import SINGLE, Parallel
 from engine.model.precision import upcast
 
 
@@ -32,11 +33,15 @@ class DeepseekV41(nn.Module):
 
     engram_vocab_map: torch.Tensor
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, parallel: Parallel = SINGLE) -> None:
         super().__init__()
         self.config = config
+        # This rank's TP / EP shares (docs/design/parallelism.md); SINGLE: the whole model.
+        self.parallel = parallel
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Block(config, l) for l in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            Block(config, l, parallel) for l in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         # Token id -> Engram compressed class. Derived from the tokenizer, not a

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model.config import ModelConfig
+from engine.model.parallel import SINGLE, Parallel
 from engine.model.precision import upcast
 from engine.model.routed_experts import RoutedExperts, clamped_swiglu
 
@@ -74,20 +75,44 @@ class Gate(nn.Module):
 
 
 class MoE(nn.Module):
-    """``y = sum_k w_k E_{idx_k}(x) + Shared(x)``, accumulated in fp32."""
+    """``y = sum_k w_k E_{idx_k}(x) + Shared(x)``, accumulated in fp32.
 
-    def __init__(self, config: ModelConfig) -> None:
+    ``parallel``: this rank holds its EP share of the routed experts and its TP
+    share of the shared expert's intermediate dim; the router is replicated
+    (docs/design/parallelism.md).
+    """
+
+    def __init__(self, config: ModelConfig, parallel: Parallel = SINGLE) -> None:
         super().__init__()
         dim, inter, limit = config.hidden_size, config.moe_intermediate_size, config.swiglu_limit
         self.n_routed_experts = config.n_routed_experts
+        self.parallel = parallel
         self.gate = Gate(config)
-        self.experts = RoutedExperts(config.n_routed_experts, dim, inter, limit)
+        first, stop = parallel.experts(config.n_routed_experts)
+        self.experts = RoutedExperts(
+            stop - first, dim, inter, limit, first=first, total=config.n_routed_experts
+        )
+        shared = parallel.tp_part(inter * config.n_shared_experts, "shared expert intermediate")
         # The released config clamps the shared expert too (docs/design/architecture.md §1.8).
-        self.shared_experts = Expert(dim, inter * config.n_shared_experts, limit)
+        self.shared_experts = Expert(dim, shared, limit)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, D] -> [T, D]`` in ``x``'s dtype."""
+        p = self.parallel
         weights, idx = self.gate(x)
-        y = self.experts(x, weights, idx)
-        y += upcast(self.shared_experts(x), y)
+        if p.ep_dispatch:  # other EP ranks hold other rows: gather, compute ours, sum, take ours
+            k = idx.shape[-1]
+            routed = torch.cat([weights, idx.to(weights)], -1)  # ids exact in fp32
+            (rows, choice), offset, count = p.ep_gather(x, routed)
+            partial = self.experts(rows, choice[:, :k], choice[:, k:].long())
+            y = p.ep_all_reduce(partial)[offset : offset + count]
+        else:
+            y = self.experts(x, weights, idx)  # this rank's experts' share (all, without EP)
+        shared = upcast(self.shared_experts(x), y)  # this rank's TP share
+        if p.ep_size > 1 and not p.ep_dispatch and p.same_group:
+            y = p.ep_all_reduce(y + shared)  # TP x EP on one group: one all-reduce for both
+        else:
+            if p.ep_size > 1 and not p.ep_dispatch:
+                y = p.ep_all_reduce(y)
+            y = y + p.tp_all_reduce(shared)
         return y.to(x.dtype)

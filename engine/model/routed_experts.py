@@ -77,19 +77,35 @@ class Routing:
         return (self.offsets[1:] - self.offsets[:-1]).tolist()
 
 
-def group_by_expert(weights: torch.Tensor, idx: torch.Tensor, n_experts: int) -> Routing:
-    """Sort the router's choices ``idx [T, k]`` (weights ``[T, k]``) by expert."""
+def group_by_expert(
+    weights: torch.Tensor, idx: torch.Tensor, n_experts: int, first: int = 0, shard: bool = False
+) -> Routing:
+    """Sort the router's choices ``idx [T, k]`` (weights ``[T, k]``) by expert.
+
+    ``shard``: this rank holds only experts ``[first, first + n_experts)`` (expert
+    parallelism); the pairs of other experts are dropped (one host sync for their count).
+    """
     flat = idx.flatten()
+    if shard:
+        local = flat - first
+        flat = torch.where((local >= 0) & (local < n_experts), local, n_experts)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=n_experts)
+    counts = torch.bincount(flat, minlength=n_experts)[:n_experts]
     offsets = torch.zeros(n_experts + 1, dtype=torch.long, device=idx.device)
     torch.cumsum(counts, 0, out=offsets[1:])
+    if shard:  # the other experts' pairs sort last, under the sentinel id n_experts
+        order = order[: int(offsets[-1])]
     k = idx.shape[-1]
     return Routing(order // k, weights.flatten()[order].unsqueeze(-1), offsets)
 
 
 class RoutedExperts(nn.Module):
-    """The ``n_experts`` routed experts of one MoE layer (``layers.L.ffn.experts``)."""
+    """The ``n_experts`` routed experts of one MoE layer (``layers.L.ffn.experts``).
+
+    Under expert parallelism a rank holds experts ``[first, first + n_experts)`` of
+    the layer's ``total`` (default: all of them); local index e is checkpoint expert
+    ``first + e``, and the forward computes only the (token, slot) pairs routed to them.
+    """
 
     # Registered in __init__ as parameters (unpacked) or buffers (packed).
     w1: torch.Tensor
@@ -99,9 +115,21 @@ class RoutedExperts(nn.Module):
     w2_scale: torch.Tensor
     w3_scale: torch.Tensor
 
-    def __init__(self, n_experts: int, dim: int, inter_dim: int, swiglu_limit: float) -> None:
+    def __init__(
+        self,
+        n_experts: int,
+        dim: int,
+        inter_dim: int,
+        swiglu_limit: float,
+        first: int = 0,
+        total: int | None = None,
+    ) -> None:
         super().__init__()
         self.n_experts, self.dim, self.inter_dim = n_experts, dim, inter_dim
+        self.first = first
+        self.total = n_experts if total is None else total
+        if not (first >= 0 and first + n_experts <= self.total):
+            raise ValueError(f"experts [{first}, {first + n_experts}) of {self.total}")
         self.swiglu_limit = swiglu_limit
         self.packed = _PACKED.get()
         shapes = self.shapes()
@@ -134,6 +162,8 @@ class RoutedExperts(nn.Module):
 
     def extra_repr(self) -> str:
         mode = "packed MXFP4" if self.packed else "unpacked"
+        if self.n_experts != self.total:
+            mode += f", experts {self.first}..{self.first + self.n_experts - 1} of {self.total}"
         return f"{self.n_experts} x ({self.dim} -> {self.inter_dim} -> {self.dim}), {mode}"
 
     def packed_copy(self) -> RoutedExperts:
@@ -141,7 +171,9 @@ class RoutedExperts(nn.Module):
         if self.packed:
             raise ValueError("already packed")
         with packed_experts(), torch.device(self.w1.device):
-            out = RoutedExperts(self.n_experts, self.dim, self.inter_dim, self.swiglu_limit)
+            out = RoutedExperts(
+                self.n_experts, self.dim, self.inter_dim, self.swiglu_limit, self.first, self.total
+            )
         with torch.no_grad():
             for name in PROJECTIONS:
                 q, s = quantize_mxfp4_weight(getattr(self, name).detach())
@@ -154,7 +186,8 @@ class RoutedExperts(nn.Module):
 
         The routing weight scales the SwiGLU output before ``w2`` (as the release does).
         """
-        routing = group_by_expert(weights, idx, self.n_experts)
+        shard = self.n_experts != self.total
+        routing = group_by_expert(weights, idx, self.n_experts, self.first, shard)
         rows = x[routing.token]
         out = self._packed(rows, routing) if self.packed else self._unpacked(rows, routing)
         y = torch.zeros(x.shape, dtype=compute_dtype(x), device=x.device)
@@ -205,9 +238,9 @@ def _per_expert_state_dict(
         scales = {name: state.pop(prefix + name + SCALE) for name in PROJECTIONS}
     for e in range(module.n_experts):
         for name in PROJECTIONS:
-            state[expert_key(prefix, e, name)] = stacked[name][e]
+            state[expert_key(prefix, module.first + e, name)] = stacked[name][e]
             if module.packed:
-                state[expert_key(prefix, e, name, True)] = scales[name][e].view(
+                state[expert_key(prefix, module.first + e, name, True)] = scales[name][e].view(
                     torch.float8_e8m0fnu
                 )
 
@@ -223,7 +256,10 @@ def _stack_loaded_experts(
     kinds = [(False, "")] + ([(True, SCALE)] if module.packed else [])
     for name in PROJECTIONS:
         for is_scale, suffix in kinds:
-            keys = [expert_key(prefix, e, name, is_scale) for e in range(module.n_experts)]
+            keys = [
+                expert_key(prefix, module.first + e, name, is_scale)
+                for e in range(module.n_experts)
+            ]
             if all(k in state for k in keys):
                 tensors = [state.pop(k) for k in keys]
                 if is_scale:

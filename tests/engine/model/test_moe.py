@@ -223,3 +223,34 @@ def test_packed_moe_matches_the_unpacked_one_on_its_served_weights():
         want = served.experts(x, weights, idx)
     err = (got - want).norm() / want.norm()
     assert 1e-4 < err < 2**-4, err  # real quantisation, within E4M3's step
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["unpacked", "packed"])
+def test_expert_shards_sum_to_the_whole_layer(packed):
+    """EP's local filter: the shards [0, 3), [3, 8) of 8 experts, each computing only
+    the pairs routed to its experts, add up to the whole module's output; a shard's
+    state dict names its experts by their global ids."""
+    from engine.model.routed_experts import RoutedExperts
+
+    torch.manual_seed(0)
+    whole = RoutedExperts(8, 64, 32, 7.0).double()
+    if packed:
+        whole = whole.packed_copy()
+    state = whole.state_dict()
+    shards = []
+    for first, stop in ((0, 3), (3, 8)):
+        shard = RoutedExperts(stop - first, 64, 32, 7.0, first=first, total=8).double()
+        if packed:
+            shard = shard.packed_copy()
+        names = {k for k in state if first <= int(k.split(".")[0]) < stop}
+        assert set(shard.state_dict()) == names
+        shard.load_state_dict({k: state[k] for k in names})
+        shards.append(shard)
+    x = torch.randn(11, 64, dtype=torch.float64)
+    idx = torch.stack([torch.randperm(8)[:2] for _ in range(11)])
+    weights = torch.rand(11, 2, dtype=torch.float64)
+    want = whole(x, weights, idx)
+    got = shards[0](x, weights, idx) + shards[1](x, weights, idx)
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+    with pytest.raises(ValueError, match="experts"):
+        RoutedExperts(4, 64, 32, 7.0, first=6, total=8)
