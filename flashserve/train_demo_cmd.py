@@ -14,9 +14,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--cache-dir", default=".cache/corpus", help="where the sdist is downloaded"
     )
-    parser.add_argument("--steps", type=int, default=280, help="optimizer steps")
-    parser.add_argument("--micro-batches", type=int, default=1, help="sequences per step")
-    parser.add_argument("--seq-len", type=int, default=512, help="tokens per sequence")
+    parser.add_argument("--steps", type=int, default=800, help="optimizer steps")
+    parser.add_argument("--micro-batches", type=int, default=2, help="sequences per step")
+    parser.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
     parser.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(

@@ -13,7 +13,7 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"
@@ -47,29 +47,11 @@ SPECIAL_TOKENS: tuple[tuple[str, bool], ...] = (
 )
 BOS_ID, EOS_ID, PAD_ID = 0, 1, 2
 
-# Pre-tokenisation (BPE merges never cross these pieces): a word with up to 3
-# punctuation bytes on either side, a run of 1-3 digits, a punctuation run, or
-# whitespace. GPT-2's split cuts every quote and colon off its word, so JSON cost
-# a token per `{"`, key, `":` and ` "` (1.8 characters a token on
-# bench/data/tool_json_sample.txt); keeping `{"type":` or ` "string",` in one
-# piece lets them merge (3.2 characters a token), and the plays lose nothing.
-# Digits in groups of three, as DeepSeek's tokenizer does, so numbers are short
-# and every number splits the same way.
-PRE_TOKENIZE = (
-    r" ?[^\s\p{L}\p{N}]{0,3}\p{L}+[^\s\p{L}\p{N}]{0,3}| ?\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-)
-
 
 def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     """A byte-level BPE of exactly ``vocab_size`` ids (special tokens included)."""
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(PRE_TOKENIZE), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,

@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 import platform
-import random
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -16,27 +15,14 @@ from engine.checkpoint_writer import save_checkpoint
 from engine.model.engram import build_compressed_vocab
 from engine.model.model import DeepseekV41
 from training.bpe import PAD_ID, train_bpe, write_tokenizer
-from training.chat_data import speeches
 from training.corpus import SDIST_NAME, load_corpus
 from training.data import SequenceSampler, heldout_windows
 from training.demo_config import DEMO_VOCAB_SIZE, demo_config
-from training.tool_data import tool_conversation
 from training.trainer import TrainConfig, train
 
 # Held-out windows scored during training (the full table is bench/quality.py's).
 EVAL_WINDOWS = 16
 TRAINING_FILE = "training.json"
-# Tool-call conversations added to the tokenizer's corpus (~2.2 MB beside the plays'
-# ~4.6 MB): enough for JSON and DSML pieces to earn merges; 3,000 gained nothing more.
-TOKENIZER_TOOL_CONVERSATIONS = 1000
-
-
-def tokenizer_texts(plays: list, seed: int) -> list[str]:
-    """The BPE's corpus: the training plays, then tool-call conversations of a fixed seed."""
-    replies = [s for p in plays for s in speeches(p.text)]
-    rng = random.Random(seed)
-    tools = [tool_conversation(rng, replies).text for _ in range(TOKENIZER_TOOL_CONVERSATIONS)]
-    return [*(p.text for p in plays), *tools]
 
 
 def build_demo(
@@ -56,7 +42,7 @@ def build_demo(
     torch.manual_seed(cfg.seed)
     corpus = load_corpus(cache_dir)
     say(f"corpus: {len(corpus.train)} training plays, held out {[p.name for p in corpus.heldout]}")
-    tokenizer = train_bpe(tokenizer_texts(corpus.train, cfg.seed + 1), vocab_size)
+    tokenizer = train_bpe((p.text for p in corpus.train), vocab_size)
     _, n_classes = build_compressed_vocab(tokenizer)
     config = demo_config(vocab_size, n_classes, PAD_ID)
     model = DeepseekV41(config)
@@ -65,9 +51,7 @@ def build_demo(
     params = sum(p.numel() for p in model.parameters())
     say(f"model: {params / 1e6:.1f} M parameters, {n_classes} Engram classes")
 
-    sampler = SequenceSampler(
-        tokenizer, corpus.train, cfg.seq_len, cfg.chat_fraction, cfg.seed, cfg.tool_fraction
-    )
+    sampler = SequenceSampler(tokenizer, corpus.train, cfg.seq_len, cfg.chat_fraction, cfg.seed)
     heldout = heldout_windows(tokenizer, corpus.heldout, cfg.seq_len, EVAL_WINDOWS)
     result = train(model, sampler, heldout, cfg, say)
 

@@ -30,16 +30,15 @@ EXACT_KV = KVPrecision(global_kv="exact", swa="exact")
 
 @dataclass(slots=True)
 class TrainConfig:
-    steps: int = 280
-    micro_batches: int = 1  # sequences per optimizer step
-    seq_len: int = 512
+    steps: int = 800
+    micro_batches: int = 2  # sequences per optimizer step
+    seq_len: int = 256
     lr: float = 2e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 30
     weight_decay: float = 0.1
     grad_clip: float = 1.0
-    chat_fraction: float = 0.2
-    tool_fraction: float = 0.2  # tool-call conversations (tool_data.py)
+    chat_fraction: float = 0.25
     qat_from: float = 0.7  # fraction of the steps after which weights are fake-quantised
     router_bias_rate: float = 5e-3
     eval_every: int = 100

@@ -65,21 +65,3 @@ def test_written_files_load_in_transformers(tmp_path: Path, tokenizer) -> None:
     assert loaded("To be", add_special_tokens=True).input_ids[0] != 0  # no automatic BOS
     config = json.loads((tmp_path / "tokenizer_config.json").read_text(encoding="utf-8"))
     assert config["add_bos_token"] is False
-
-
-JSON_LINES = [
-    '{"name": "get_weather", "parameters": {"type": "object", "properties": '
-    '{"city": {"type": "string"}, "days": {"type": "integer"}}}}\n'
-] * 40
-
-
-def test_json_punctuation_merges_with_its_key() -> None:
-    """The pre-tokenizer keeps ` {"type":` in one piece, so BPE can merge it: GPT-2's split
-    cuts it into `{"`, `type`, `":` and no vocabulary size gets it below three tokens."""
-    tokenizer = train_bpe(TEXT + JSON_LINES, 400)
-    pieces = tokenizer.encode(JSON_LINES[0], add_special_tokens=False).tokens
-    assert {'{"name":', 'Ġ{"type":', 'Ġ"object",'} <= set(pieces), pieces
-    assert len(pieces) <= len(JSON_LINES[0]) / 4
-    # Digits go in groups of at most three, whatever the vocabulary learnt.
-    digits = tokenizer.encode("1234567", add_special_tokens=False).tokens
-    assert "".join(digits) == "1234567" and max(len(d) for d in digits) <= 3
