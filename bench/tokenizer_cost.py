@@ -1,9 +1,9 @@
 """Characters per token of a checkpoint's tokenizer on tool-call JSON and on the held-out plays.
 
-The JSON sample (bench/data/tool_json_sample.txt, written by hand, not drawn
-from training/tool_data.py's bank) is what an agent framework's request
-becomes in the prompt and what a forced call makes the model write: a tool
-block of JSON schemas, DSML calls, JSON tool results and a JSON reply.
+The JSON sample (bench/data/tool_json_sample.txt, written by hand) is what an
+agent framework's request becomes in the prompt and what a forced call makes
+the model write: a tool block of JSON schemas, DSML calls, JSON tool results
+and a JSON reply.
 
     .venv/bin/python bench/tokenizer_cost.py                 # models/demo
     .venv/bin/python bench/tokenizer_cost.py --model DIR     # any checkpoint dir
