@@ -3,10 +3,10 @@
 The held-out plays (BOS + text, concatenated as training.data does) give
 ``--spans`` spans of ``--long`` tokens, evenly spaced from the first token to
 the last (one span: the start of *Henry VI, Part 1*; two: that and the end of
-*The Tempest*). Each span is scored
-twice, on exactly the same tokens: as one window of ``--long`` tokens, and
-as ``--long / --short`` windows of ``--short`` tokens. So the two perplexities
-differ only in how much context each prediction had. The long windows are
+*The Tempest*). Each span is scored twice, on the same tokens: as one window
+of ``--long`` tokens, and as ``--long / --short`` windows of ``--short``
+tokens (whose first tokens have no prediction: 7 fewer scored per 8K span).
+So the two perplexities differ only in how much context each prediction had. The long windows are
 also broken down by position, which shows what happens past the training
 length.
 
