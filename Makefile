@@ -47,8 +47,7 @@ test: setup lint
 # A small agent workload on the tiny model over HTTP, server launched on a free
 # loopback port (bench/serving/; results in bench/results/serving/).
 .PHONY: bench
-# The bench stays on the tiny model: its contexts (2K-token system prompts) exceed the
-# demo's 1,024 positions, and it measures serving, not text.
+# The bench stays on the tiny model: it measures serving, not text.
 BENCH_MODEL ?= tiny
 BENCH_ARGS ?= --workload agent --num-agents 8 --turns 6 --system-len 2048 --tool-result-len 512 --output-len 16 --request-rate 1
 bench: setup

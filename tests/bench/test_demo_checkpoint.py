@@ -1,5 +1,6 @@
 """The committed demo checkpoint (models/demo): loads, round-trips through the writer,
-matches the code's demo config and tokenizer, and keeps its greedy output.
+matches the code's demo config and tokenizer, keeps its greedy output, and serves 8K
+tokens of context.
 
 The pinned continuations are the trained model's greedy output under the
 production semantics (CED prefill with replay W = window, FP4 global KV, FP8
@@ -9,6 +10,7 @@ them: a change to the model code, the loader or the checkpoint shows up here.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -33,6 +35,7 @@ from training.demo_config import demo_checkpoint_dir, demo_config
 DEMO = demo_checkpoint_dir()
 MAX_BYTES = 25 << 20
 NEW_TOKENS = 8
+CONTEXT = 8192  # issue 19: room for the tool prompts agent frameworks send
 
 COMPLETION = "<｜begin▁of▁sentence｜>To be, or not to be"
 PINNED_COMPLETION = [270, 452, 23, 210, 350, 304, 371, 316]
@@ -77,6 +80,29 @@ def test_checkpoint_is_small_and_matches_the_demo_config(demo) -> None:
     # The official topology's roles, on the tiny preset's layer plan.
     tiny = ModelConfig.tiny()
     assert [config.role(l) for l in range(8)] == [tiny.role(l) for l in range(8)]
+
+
+def test_context_is_8k_in_the_config_the_tokenizer_and_the_engine(demo) -> None:
+    config, model, tokenizer = demo
+    assert config.max_position_embeddings == CONTEXT
+    tok_config = json.loads((DEMO / "tokenizer_config.json").read_text(encoding="utf-8"))
+    assert tok_config["model_max_length"] == CONTEXT
+    engine = LLMEngine.build(
+        EngineConfig(kv_cache_bytes=8 << 20, max_num_seqs=1), model, tokenizer=tokenizer
+    )
+    assert engine.max_model_len == CONTEXT
+    # A prompt past the old 1,024-position limit is served (prefill and one decode step).
+    text = "To be, or not to be, that is the question:\n" * 100
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    assert 1024 < len(ids) < 2048
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    engine.add_request(Request("long", ids, params))
+    tokens: list[int] = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens += [t for c in out.outputs for t in c.token_ids]
+    engine.close()
+    assert len(tokens) == 2
 
 
 def test_save_and_reload_keeps_every_value(demo, tmp_path: Path) -> None:
