@@ -29,6 +29,13 @@ def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     # In place, into two small sum buffers: the same arithmetic in the same order as
     # ``c = c / (c.sum(dim) + eps)`` per pass, without three fresh tensors per pass
     # (the passes are tiny; their cost is per operation, not per element).
+    if torch.is_grad_enabled() and logits.requires_grad:  # training: autograd needs copies
+        c = torch.softmax(upcast(logits), dim=-1) + eps
+        c = c / (c.sum(dim=-2, keepdim=True) + eps)
+        for _ in range(iters - 1):
+            c = c / (c.sum(dim=-1, keepdim=True) + eps)
+            c = c / (c.sum(dim=-2, keepdim=True) + eps)
+        return c
     c = torch.softmax(upcast(logits), dim=-1).add_(eps)
     cols = c.sum(dim=-2, keepdim=True)
     c.div_(cols.add_(eps))

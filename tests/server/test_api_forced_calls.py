@@ -93,6 +93,17 @@ def test_forced_calls_are_schema_valid_and_end_by_eos(
     )
     assert r.usage.completion_tokens < SEED_CHOICES * BUDGET
     for choice in r.choices:
+        if parallel and tool_choice != NAMED and choice.finish_reason == "length":
+            # With parallel calls on, the grammar bounds each call but not how many
+            # follow: a random model may keep calling until the budget ends (seed 11,
+            # choice 1 on the packed tiny model: five calls). Every call before the
+            # cut is complete and valid; only the last is open.
+            done = choice.message.tool_calls[:-1]
+            assert len(done) >= 2, choice.message
+            for call in done:
+                arguments = json.loads(call.function.arguments)
+                jsonschema.validate(arguments, SCHEMAS[call.function.name])
+            continue
         calls = valid_calls(choice.message, choice.finish_reason)
         if tool_choice == NAMED:
             assert [name for name, _ in calls] == ["take_note"]  # one call, even with parallel on

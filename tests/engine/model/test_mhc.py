@@ -182,3 +182,13 @@ def test_initial_pre_takes_copy_zero():
     pre = hc_initial_pre(6, 4)
     assert pre.dtype == torch.float32
     torch.testing.assert_close(hc_collapse(R, pre), R[:, 0])
+
+
+def test_sinkhorn_with_autograd_equals_the_in_place_passes() -> None:
+    """Training takes the out-of-place passes (autograd keeps every step); serving
+    divides in place. The same arithmetic in the same order: bitwise equal."""
+    logits = torch.randn(3, 4, 4, generator=torch.Generator().manual_seed(0))
+    served = sinkhorn(logits, 20, 1e-6)
+    trained = sinkhorn(logits.clone().requires_grad_(), 20, 1e-6)
+    assert torch.equal(trained.detach(), served)
+    trained.sum().backward()
