@@ -5,7 +5,13 @@ import math
 import pytest
 import torch
 
-from kernels.act_quant import dequantize_act_fp8, fake_quant_act_fp8, quantize_act_fp8
+from kernels.act_quant import (
+    block_scales,
+    dequantize_act_fp8,
+    fake_quant_act_fp8,
+    quantize_act_fp8,
+)
+from kernels.quant import E4M3_MAX, pow2, pow2_exponent
 
 
 def test_block_scale_is_the_smallest_power_of_two_that_fits() -> None:
@@ -40,3 +46,18 @@ def test_nan_stays_in_its_block_and_ragged_k_is_refused() -> None:
     assert torch.equal(y[0, :3], torch.ones(3))  # the scale ignores the NaN
     with pytest.raises(ValueError, match="multiple of 32"):
         quantize_act_fp8(torch.ones(1, 40))
+
+
+def test_block_scales_from_bits_equal_the_exact_exponent_rule() -> None:
+    """The bit-level scale equals ``pow2(pow2_exponent(...))`` (frexp, exact) on random
+    magnitudes and on every boundary: powers of two, 448 * 2^k and its neighbours,
+    the 1e-4 floor, the largest finite float and infinity."""
+    torch.manual_seed(0)
+    random = torch.exp(torch.empty(20000).uniform_(-30.0, 80.0))
+    k = torch.arange(-30.0, 120.0)
+    edges = torch.cat([2.0**k, 448.0 * 2.0**k])
+    edges = torch.cat([edges, torch.nextafter(edges, edges * 2), torch.nextafter(edges, edges * 0)])
+    special = torch.tensor([0.0, 1e-4, 9.9e-5, 3.4028235e38, float("inf")])
+    amax = torch.cat([random, edges, special]).float()
+    want = pow2(pow2_exponent(amax, E4M3_MAX, 1e-4))
+    assert torch.equal(block_scales(amax), want)
