@@ -108,6 +108,12 @@ def start_server(cache: Path, tmp: Path) -> LiveServer:
     args += ["--default-max-tokens", str(DEFAULT_MAX_TOKENS), "--page-tokens", str(PAGE_TOKENS)]
     args += ["--kv-cache-bytes", str(KV_CACHE_BYTES), "--kv-dir", str(tmp / "kv")]
     args += ["--vllm-metric-aliases"]
+    # The API tests serve the tiny model dequantised: its packed path (per-step
+    # tile decode, activation quantisation) costs 1.2-1.6x per CPU step, and these
+    # tests check the API, not numerics. The packed default is tested at engine level
+    # (tests/engine/test_packed_linears.py, test_checkpoint_experts.py) and through
+    # HTTP by tests/bench/test_serving_e2e.py, which launches with the defaults.
+    args += ["--quantization", "none"]
     server = spawn_server(cache, tmp / "server.log", args)
     wait_ready(server)
     return server

@@ -96,8 +96,8 @@ def test_forced_calls_are_schema_valid_and_end_by_eos(
         if parallel and tool_choice != NAMED and choice.finish_reason == "length":
             # With parallel calls on, the grammar bounds each call but not how many
             # follow: a random model may keep calling until the budget ends (seed 11,
-            # choice 1 on the packed tiny model: five calls). Every call before the
-            # cut is complete and valid; only the last is open.
+            # choice 1 made five calls when the tiny model was served packed). Every
+            # call before the cut is complete and valid; only the last is open.
             done = choice.message.tool_calls[:-1]
             assert len(done) >= 2, choice.message
             for call in done:

@@ -28,8 +28,13 @@ from flashserve.serve_cmd import tiny_checkpoint
 
 @pytest.fixture(scope="module")
 def oracle_model(tiny_cache: Path, live_server: LiveServer):
-    """The checkpoint ``--model tiny`` serves (the live server wrote it)."""
-    _, net = load_checkpoint(tiny_checkpoint(EngineConfig().seed, tiny_cache))
+    """The checkpoint ``--model tiny`` serves (the live server wrote it), loaded as the
+    test server loads it (``--quantization none``, tests/server/api_helpers.py). Served
+    packed, the paged engine and the dense reference differ by a median of 0.0035 here
+    (1e-6 dequantised): the activation rounding turns fp32 summation order into whole
+    E4M3 steps now and then (a 1e-7 relative change of the embeddings moves the packed
+    logprobs by up to 0.022)."""
+    _, net = load_checkpoint(tiny_checkpoint(EngineConfig().seed, tiny_cache), quantization="none")
     return net.eval()
 
 
@@ -41,13 +46,7 @@ def _reference(model, ids: list[int]) -> list[float]:
 def _close(got: list[float], want: list[float]) -> None:
     diffs = [abs(a - b) for a, b in zip(got, want, strict=True)]
     assert max(diffs) < 5e-2, max(diffs)
-    # The median: rounding, not a bug. The served tiny model is packed (activations
-    # rounded to E4M3 before every FP8/FP4 GEMM), which turns the paged path's fp32
-    # summation order into whole E4M3 steps now and then: measured, a 1e-7 relative
-    # change of the embeddings moves its logprobs by up to 0.022 (median 1e-7), and the
-    # paged engine differs from the dense reference by a median of 0.0035 (1e-6 with
-    # --quantization none). The exact comparison is tests/engine/test_prompt_logprobs.py.
-    assert sorted(diffs)[len(diffs) // 2] < 1e-2, diffs
+    assert sorted(diffs)[len(diffs) // 2] < 2e-3, diffs  # the median: rounding, not a bug
 
 
 def test_echo_with_logprobs_scores_every_prompt_token_but_the_first(
