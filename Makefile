@@ -41,8 +41,13 @@ format: setup
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
+# Two pytest workers (pytest-xdist), a test file each at a time: the suite is
+# mostly single-threaded processes (servers, gloo ranks, interpreted kernels), so
+# two files at once use both cores; `--dist loadfile` keeps a file's module- and
+# session-scoped servers in one worker. TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 2
 test: setup lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # A small agent workload on the tiny model over HTTP, server launched on a free
 # loopback port (bench/serving/; results in bench/results/serving/).
