@@ -179,7 +179,11 @@ class CudaGraphBackend:
 
     def capture(self, fn: Callable[[], None], static: Iterable[torch.Tensor]) -> Graph:
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream), SyncGuard():
+        # thread_local: another thread's CUDA call (a KV tier's copy) does not void the capture.
+        capture = torch.cuda.graph(
+            graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"
+        )
+        with capture, SyncGuard():
             fn()
         return graph
 
