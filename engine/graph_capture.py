@@ -222,6 +222,7 @@ class RecordedGraph:
         self.ops = ops
         self.replays = 0
 
+    @torch.no_grad()  # a graph replays kernels, not autograd (and views made under no_grad)
     def replay(self) -> None:
         for op in self.ops:
             if op.kind == "view":

@@ -202,18 +202,22 @@ def model64(engine_model):
     return copy.deepcopy(engine_model).double().eval()
 
 
-def _run(model, graphs: bool, static_experts: bool = False):
-    """Seven greedy requests of 2..8 tokens: decode batches shrink 7, 6, ..., 1."""
+def _run(model, graphs: bool, static_experts: bool = False, same_length: bool = False):
+    """Seven greedy requests of 2..8 tokens: decode batches shrink 7, 6, ..., 1 (buckets
+    2 and 8). ``same_length``: four requests of 4 tokens, every decode batch 4 (bucket 4)."""
     engine, recorder = reference_engine(model, runner="paged", max_num_seqs=8)
     inner: PagedModelRunner = recorder.inner
     if graphs:
         backend = RecordingGraphBackend([*model.parameters(), *model.buffers()])
-        inner.graphs = DecodeGraphs(model, (2, 8), backend, torch.device("cpu"))
+        sizes = (4,) if same_length else (2, 8)
+        inner.graphs = DecodeGraphs(model, sizes, backend, torch.device("cpu"))
         inner.graphs.capture()
     if static_experts:
         eager = inner.execute
 
-        def execute(batch):
+        def execute(batch):  # as the graphs run: decode-only steps under static shapes
+            if batch.prefills:
+                return eager(batch)
             with static_expert_shapes():
                 return eager(batch)
 
@@ -227,8 +231,9 @@ def _run(model, graphs: bool, static_experts: bool = False):
         return run(batch)
 
     inner.execute = sized  # type: ignore[method-assign]
-    for i in range(7):
-        engine.add_request(Request(f"r{i}", prompt(5 + 3 * i, i), greedy(2 + i)))
+    for i in range(4 if same_length else 7):
+        tokens = 4 if same_length else 2 + i
+        engine.add_request(Request(f"r{i}", prompt(5 + 3 * i, i), greedy(tokens)))
     outputs = run_to_completion(engine)
     return outputs, recorder.logits, inner.graphs, sizes
 
@@ -249,9 +254,10 @@ def test_decode_graphs_run_every_decode_step_with_padding(runs):
 
 def test_padded_graph_steps_equal_the_eager_steps(runs):
     """Real rows of a padded bucket = the unpadded eager step, step after step while the
-    batch shrinks through the buckets (stale rows of a larger step never leak). Bitwise
-    when the batch fills its bucket; else within 1e-13: MKL rounds the rows of a
-    partial 4-row tile of a float64 GEMM differently (measured ~1e-15)."""
+    batch shrinks through the buckets (stale rows of a larger step never leak). Within
+    1e-13, bit for bit on rows 0-3: the CPU kernels round other rows of a 7-row batch
+    differently from an 8-row one (a vectorised kernel's scalar tail: the router's
+    softplus; MKL's kernel for under 4 rows), ~1e-15 (docs/design/cuda-graphs.md)."""
     (out_g, logits_g, _, _), (out_e, logits_e, _, _) = runs
     for rid in out_e:
         assert token_stream(out_g[rid]) == token_stream(out_e[rid])
@@ -260,9 +266,21 @@ def test_padded_graph_steps_equal_the_eager_steps(runs):
         assert len(graph) == len(eager)
         for a, b in zip(graph, eager, strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-13)
-    # r0..r3 are rows 0-3 of every step: the first full 4-row tile of each GEMM.
+    # r0..r3 are rows 0-3 of every step, inside every kernel's vectorised body.
     for key in [("r0", 0), ("r1", 0), ("r2", 0), ("r3", 0)]:
         assert all(torch.equal(a, b) for a, b in zip(logits_g[key], logits_e[key], strict=True))
+
+
+def test_a_batch_that_fills_its_bucket_is_bitwise_the_eager_step(model64):
+    """No padding, the same row count: every graph step equals the eager one bit for bit."""
+    out_g, logits_g, graphs, sizes = _run(model64, graphs=True, same_length=True)
+    out_e, logits_e, _, _ = _run(model64, graphs=False, static_experts=True, same_length=True)
+    assert sizes == [4, 4, 4] and graphs.steps == 3 and graphs.padded_rows == 0
+    for key, eager in logits_e.items():
+        assert all(torch.equal(a, b) for a, b in zip(logits_g[key], eager, strict=True))
+    assert {r: token_stream(o) for r, o in out_g.items()} == {
+        r: token_stream(o) for r, o in out_e.items()
+    }
 
 
 def test_graphs_match_the_default_eager_experts(model64, runs):
