@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from engine.graph_capture import CudaGraphBackend, Graph, GraphBackend
+from engine.graph_capture import CudaGraphBackend, Graph, GraphBackend, HostSyncError
 from engine.model.attention import Selections
 from engine.model.mhc import hc_collapse, hc_initial_pre, hc_mix
 from engine.model.model import DeepseekV41
@@ -308,7 +308,14 @@ def decode_graphs_for(
         return None
     buckets = capture_sizes(max_num_seqs, sizes)
     graphs = DecodeGraphs(model, buckets, CudaGraphBackend(device), device)
-    seconds = graphs.capture()
+    try:
+        seconds = graphs.capture()
+    except (HostSyncError, RuntimeError) as exc:
+        # A piece that cannot be captured (a sync inside a kernel wrapper, an
+        # unsupported op) must not stop the server: it serves eagerly, and says why.
+        logger.error("CUDA graphs: capture failed, every decode step runs eagerly: %s", exc)
+        torch.cuda.synchronize(device)
+        return None
     logger.warning(
         "CUDA graphs: captured %d decode pieces for %d batch sizes (%s) in %.1f s; "
         "--enforce-eager turns them off",
