@@ -236,8 +236,9 @@ class RoutedExperts(nn.Module):
     def _every_expert(
         self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor
     ) -> torch.Tensor:
-        """``forward`` under ``static_expert_shapes``: the same per-row arithmetic and the
-        same order of the per-token sum (experts ascending, from zero), with static shapes.
+        """``forward`` under ``static_expert_shapes``: the same per-row formula and the same
+        order of the per-token sum (experts ascending, from zero), with static shapes (a
+        GEMM over every row may round a row differently from one over the expert's rows).
         A token picks an expert at most once, so its weight is the one slot's, or zero."""
         y = torch.zeros(x.shape, dtype=compute_dtype(x), device=x.device)
         local = idx - self.first
