@@ -14,6 +14,10 @@ One command for a machine with a GPU (docs/design/kernels.md):
    tie is reported, not failed; the run fails (exit 1) when a kernel disagrees
    with its reference or when the first step's logits differ by more than 0.1.
 
+3. ``bench/cuda_graph_bench.py``: decode step time eager vs CUDA graphs at
+   batch 1, 8 and 32 and their greedy tokens (fails when they differ; skipped
+   without CUDA).
+
 With ``--device cpu`` step 2 compares the CPU with itself (the CI check of this
 script). Weights stay as the loader returns them (dequantised); packed FP8/FP4
 weights are issue 15's item 1, not yet built.
@@ -52,6 +56,17 @@ def run_kernels(out: Path) -> dict:
     cmd = [sys.executable, str(REPO / "bench" / "gpu_kernels.py"), "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     print("1. kernels:\n" + proc.stdout + proc.stderr)
+    return {"ran": True, "returncode": proc.returncode, "json": str(out)}
+
+
+def run_cuda_graphs(out: Path) -> dict:
+    """Step 3: ``bench/cuda_graph_bench.py`` (decode step eager vs CUDA graphs, batch 1/8/32)."""
+    if not torch.cuda.is_available():
+        print("3. cuda graphs: no CUDA device, bench/cuda_graph_bench.py skipped")
+        return {"ran": False}
+    cmd = [sys.executable, str(REPO / "bench" / "cuda_graph_bench.py"), "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    print("3. cuda graphs:\n" + proc.stdout + proc.stderr)
     return {"ran": True, "returncode": proc.returncode, "json": str(out)}
 
 
@@ -152,6 +167,8 @@ def main() -> int:
         "cpu_seconds": cpu["seconds"],
         "device_seconds": dev["seconds"],
     }
+    result["cuda_graphs"] = run_cuda_graphs(args.json.with_name("cuda_graph_bench.json"))
+    failed |= result["cuda_graphs"].get("returncode", 0) != 0
     args.json.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.json}; {'FAILED' if failed else 'ok'}")
     return int(failed)

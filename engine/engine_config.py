@@ -40,6 +40,9 @@ class EngineConfig:
     max_model_len: int | None = None  # prompt + output cap; None = the model's max positions
     runner: Literal["paged", "reference"] = "paged"  # reference = dense oracle (debugging)
     seed: int = 0  # weights of the random tiny model; global sampling RNG
+    # CUDA graphs of decode steps (docs/design/cuda-graphs.md); never on CPU.
+    enforce_eager: bool = False  # True: no graphs (--enforce-eager)
+    cuda_graph_sizes: tuple[int, ...] | None = None  # buckets; None = 1, 2, 4, 8, 16, ...
 
     def __post_init__(self) -> None:
         for name in (
@@ -63,6 +66,13 @@ class EngineConfig:
             )
         if self.dtype not in _DTYPES:
             raise ValueError(f"EngineConfig.dtype must be one of {sorted(_DTYPES)}")
+        if self.cuda_graph_sizes is not None:
+            self.cuda_graph_sizes = tuple(self.cuda_graph_sizes)
+            if not self.cuda_graph_sizes or any(s < 1 for s in self.cuda_graph_sizes):
+                raise ValueError(
+                    "EngineConfig.cuda_graph_sizes must be positive integers, "
+                    f"got {list(self.cuda_graph_sizes)}"
+                )
         if self.runner not in ("paged", "reference"):
             raise ValueError(
                 f"EngineConfig.runner must be 'paged' or 'reference', got {self.runner}"

@@ -169,9 +169,17 @@ class LLMEngine:
 
             runner = ReferenceRunner(model, kv, KVPrecision(global_kv=config.kv_dtype))
         else:
+            from engine.cuda_graphs import decode_graphs_for
             from engine.model_runner import PagedModelRunner
 
-            runner = PagedModelRunner(model, kv, config.max_num_seqs)
+            graphs = decode_graphs_for(
+                model,
+                config.device,
+                config.max_num_seqs,
+                enforce_eager=config.enforce_eager,
+                sizes=config.cuda_graph_sizes,
+            )
+            runner = PagedModelRunner(model, kv, config.max_num_seqs, graphs)
         return cls(
             config,
             runner,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.cuda_graphs import DecodeGraphs
 from engine.model.model import DeepseekV41
 from engine.paged_backend import PagedKV, Segment
 from engine.prompt_scores import score_rows
@@ -31,8 +32,16 @@ from kvstore.request_state import RequestStateLayout, RequestStatePool
 class PagedModelRunner:
     """Implements ``engine.step.ModelRunner`` over a ``KVCacheManager``."""
 
-    def __init__(self, model: DeepseekV41, kv: KVCacheManager, max_num_seqs: int) -> None:
+    def __init__(
+        self,
+        model: DeepseekV41,
+        kv: KVCacheManager,
+        max_num_seqs: int,
+        graphs: DecodeGraphs | None = None,
+    ) -> None:
         self.model = model
+        # Captured decode steps (engine/cuda_graphs.py); None: every step runs eagerly.
+        self.graphs = graphs
         self.config = config = model.config
         self.kv = kv
         self.device = model.embed.weight.device
@@ -83,7 +92,15 @@ class PagedModelRunner:
             self.config.sliding_window,
             self.device,
         )
-        logits = self.model(kv.input_ids(), kv)
+        graphs = self.graphs
+        if (
+            graphs is not None
+            and len(segments) == len(batch.decodes)
+            and graphs.fits(len(segments))
+        ):
+            logits = graphs.forward(kv)  # a decode-only step in a captured bucket
+        else:
+            logits = self.model(kv.input_ids(), kv)
         out: dict[int, torch.Tensor] = {}
         for seg, first, count in kv.logit_segments():
             rows = logits[first : first + count]

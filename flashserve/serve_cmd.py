@@ -292,6 +292,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     engine.add_argument("--runner", choices=("paged", "reference"), default="paged")
     engine.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="CUDA: run every decode step eagerly instead of replaying CUDA graphs captured "
+        "at start-up for the bucketed batch sizes (docs/design/cuda-graphs.md); on cpu graphs "
+        "are never used",
+    )
+    engine.add_argument(
+        "--cuda-graph-sizes",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="N",
+        help="CUDA: decode batch sizes to capture (default 1 2 4 8 16 24 ... up to "
+        "--max-num-seqs); a larger batch runs eagerly; ignored on cpu",
+    )
+    engine.add_argument(
         "--seed", type=int, default=0, help="tiny model weights and the sampling RNG (default 0)"
     )
 
@@ -317,6 +333,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len,
         runner=args.runner,
         seed=args.seed,
+        enforce_eager=args.enforce_eager,
+        cuda_graph_sizes=tuple(args.cuda_graph_sizes) if args.cuda_graph_sizes else None,
     )
 
 

@@ -157,14 +157,23 @@ class Attention(nn.Module):
         """Write this layer's KV for every row in flight: its SWA key/value and, at a
         kv source, the compressed entries of every group that completes."""
         pos = kv.positions
-        kv.store_swa(self.layer_id, self.project_kv(x, pos))
+        raw = self.compressor.project(x) if self.compressor is not None else None
+        self.store_projected(self.project_kv(x, pos), raw, x.dtype, kv)
+
+    def store_projected(
+        self, swa_kv: torch.Tensor, raw: torch.Tensor | None, dtype: torch.dtype, kv: KVBackend
+    ) -> None:
+        """``store_kv`` from the row-wise projections (``project_kv``, ``Compressor.project``):
+        the part that needs the backend (a decode graph runs the projections captured)."""
+        kv.store_swa(self.layer_id, swa_kv)
         if self.compressor is None:
             return
+        assert raw is not None
         ratio = self.compressor.ratio
-        rows, entry_ids = kv.compressor_groups(self.layer_id, self.compressor.project(x), ratio)
+        rows, entry_ids = kv.compressor_groups(self.layer_id, raw, ratio)
         if entry_ids.numel() == 0:
             return
-        latent = self.compressor.combine(rows, x.dtype)  # un-RoPE'd
+        latent = self.compressor.combine(rows, dtype)  # un-RoPE'd
         entry_pos = entry_ids * ratio  # each entry sits at its group's first position
         assert self.indexer is not None, "every kv source is an index source"
         kv.store_global(
@@ -178,23 +187,45 @@ class Attention(nn.Module):
         """The query side: ``x`` [T, D] (attention input) -> output [T, D]."""
         pos = kv.positions
         q, qr = self.project_q(x, pos)
+        queries = None
+        if self.picks_own and self.indexer is not None:
+            queries = self.indexer.queries(qr, x, pos)
+        return self.project_out(self.attend_projected(q, queries, kv, sel), pos)
+
+    @property
+    def picks_own(self) -> bool:
+        """Whether this layer scores its own top-k (Full, Reindex): it needs index queries."""
+        return self.role not in (LayerRole.SWA_ONLY, LayerRole.REUSE)
+
+    def attend_projected(
+        self,
+        q: torch.Tensor,
+        queries: tuple[torch.Tensor, torch.Tensor] | None,
+        kv: KVBackend,
+        sel: Selections,
+    ) -> torch.Tensor:
+        """The query side from the row-wise projections (``project_q``, ``Indexer.queries``
+        when ``picks_own``): selection and attention, before ``project_out``."""
+        pos = kv.positions
         if self.role is LayerRole.SWA_ONLY:
             picked = None
         elif self.role is LayerRole.REUSE:
             assert self.index_source is not None
             picked = sel.topk[self.index_source]
         else:
-            picked = self._pick(qr, x, pos, kv, sel)
+            assert queries is not None
+            picked = self._pick(*queries, kv, sel)
         if sel.trace is not None and picked is not None:
             sel.trace.setdefault("topk", {})[self.layer_id] = picked
             sel.trace.setdefault("pos", {})[self.layer_id] = pos
             if sel.candidates is not None:
                 sel.trace.setdefault("candidates", {})[self.layer_id] = sel.candidates
-        o = kv.attend(self.layer_id, q, self.kv_source, picked, self.attn_sink, self.softmax_scale)
-        return self.project_out(o, pos)
+        return kv.attend(
+            self.layer_id, q, self.kv_source, picked, self.attn_sink, self.softmax_scale
+        )
 
     def _pick(
-        self, qr: torch.Tensor, x: torch.Tensor, pos: torch.Tensor, kv: KVBackend, sel: Selections
+        self, qi: torch.Tensor, w: torch.Tensor, kv: KVBackend, sel: Selections
     ) -> torch.Tensor:
         """An index source's own top-k (Full, Reindex), published for its Reuse layers.
 
@@ -202,7 +233,6 @@ class Attention(nn.Module):
         every index source after it picks only inside them.
         """
         assert self.indexer is not None and self.kv_source is not None
-        qi, w = self.indexer.queries(qr, x, pos)
         if sel.candidates is not None and self.layer_id > self.candidate_source:
             # Only the candidate blocks' entries can be picked, and they are all
             # visible (``candidate_block_mask``): score just those, so this layer's

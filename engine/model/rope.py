@@ -110,6 +110,12 @@ _COS_SIN: dict[
 ] = {}
 
 
+def clear_cos_sin_cache() -> None:
+    """Forget every cached (cos, sin): a captured graph must compute its own angles
+    (a cached pair from outside the graph would be read stale at replay)."""
+    _COS_SIN.clear()
+
+
 def apply_rope(
     x: torch.Tensor,
     positions: torch.Tensor,

@@ -44,6 +44,7 @@ PROJECTIONS = ("w1", "w2", "w3")
 SCALE = "_scale"  # buffer suffix of a packed projection's scale bytes
 
 _PACKED: ContextVar[bool] = ContextVar("packed_experts", default=False)
+_STATIC: ContextVar[bool] = ContextVar("static_expert_shapes", default=False)
 
 
 @contextmanager
@@ -54,6 +55,22 @@ def packed_experts() -> Iterator[None]:
         yield
     finally:
         _PACKED.reset(token)
+
+
+@contextmanager
+def static_expert_shapes() -> Iterator[None]:
+    """Unpacked experts run every local expert over every row, kept where routed.
+
+    No shape then depends on the routing, so the forward holds no host sync and
+    can be captured in a CUDA graph (docs/design/cuda-graphs.md). It costs
+    ``n_experts / top_k`` times the routed FLOPs: for small (test, tiny) models
+    only; packed experts never need it (their grouped GEMM takes device offsets).
+    """
+    token = _STATIC.set(True)
+    try:
+        yield
+    finally:
+        _STATIC.reset(token)
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -90,9 +107,11 @@ def group_by_expert(
         local = flat - first
         flat = torch.where((local >= 0) & (local < n_experts), local, n_experts)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=n_experts)[:n_experts]
-    offsets = torch.zeros(n_experts + 1, dtype=torch.long, device=idx.device)
-    torch.cumsum(counts, 0, out=offsets[1:])
+    # Expert e's rows start at the number of pairs below e: a search of the sorted ids,
+    # with no host sync (bincount reads the ids' max on the host on CUDA; a decode
+    # step captured as a CUDA graph cannot, docs/design/cuda-graphs.md).
+    experts = torch.arange(n_experts + 1, dtype=flat.dtype, device=idx.device)
+    offsets = torch.searchsorted(flat[order], experts)
     if shard:  # the other experts' pairs sort last, under the sentinel id n_experts
         order = order[: int(offsets[-1])]
     k = idx.shape[-1]
@@ -186,6 +205,8 @@ class RoutedExperts(nn.Module):
 
         The routing weight scales the SwiGLU output before ``w2`` (as the release does).
         """
+        if _STATIC.get() and not self.packed:
+            return self._every_expert(x, weights, idx)
         shard = self.n_experts != self.total
         routing = group_by_expert(weights, idx, self.n_experts, self.first, shard)
         rows = x[routing.token]
@@ -211,6 +232,26 @@ class RoutedExperts(nn.Module):
         if not pieces:
             return rows.new_zeros(0, self.dim)
         return torch.cat(pieces)
+
+    def _every_expert(
+        self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor
+    ) -> torch.Tensor:
+        """``forward`` under ``static_expert_shapes``: the same per-row formula and the same
+        order of the per-token sum (experts ascending, from zero), with static shapes (a
+        GEMM over every row may round a row differently from one over the expert's rows).
+        A token picks an expert at most once, so its weight is the one slot's, or zero."""
+        y = torch.zeros(x.shape, dtype=compute_dtype(x), device=x.device)
+        local = idx - self.first
+        for e in range(self.n_experts):
+            hit = local == e  # [T, k]
+            routed = hit.any(dim=-1, keepdim=True)
+            w = torch.where(hit, weights, torch.zeros_like(weights)).sum(dim=-1, keepdim=True)
+            gate = upcast(F.linear(x, self.w1[e]))
+            up = upcast(F.linear(x, self.w3[e]))
+            h = upcast(w) * clamped_swiglu(gate, up, self.swiglu_limit)
+            out = F.linear(h.to(x.dtype), self.w2[e])
+            y = torch.where(routed, y + upcast(out, y), y)
+        return y
 
     def _packed(self, rows: torch.Tensor, routing: Routing) -> torch.Tensor:
         """Three grouped FP4 GEMMs over the active experts, activations quantised before each."""

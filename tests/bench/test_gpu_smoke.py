@@ -32,6 +32,7 @@ def test_gpu_smoke_runs_cpu_against_itself(tmp_path: Path) -> None:
     assert "no CUDA device" in proc.stdout
     result = json.loads(out.read_text())
     assert result["kernels"] == {"ran": False}
+    assert result["cuda_graphs"] == {"ran": False}
     rows = result["engine"]["rows"]
     assert len(rows) == 3
     for row in rows:

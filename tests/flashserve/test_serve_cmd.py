@@ -32,6 +32,7 @@ def test_every_engine_config_field_has_a_flag() -> None:
         *("--replay-tokens", "16", "--disable-ced", "--kv-dtype", "bf16"),
         *("--device", "cuda", "--dtype", "bfloat16", "--max-model-len", "4096"),
         *("--runner", "reference", "--seed", "7", "--quantization", "none"),
+        *("--enforce-eager", "--cuda-graph-sizes", "1", "2"),
     )
     config = serve_cmd.engine_config(args)
     expected = {
@@ -50,6 +51,8 @@ def test_every_engine_config_field_has_a_flag() -> None:
         "quantization": "none",
         "max_model_len": 4096,
         "runner": "reference",
+        "enforce_eager": True,
+        "cuda_graph_sizes": (1, 2),
         "seed": 7,
     }
     # A new EngineConfig field without a flag fails here.
