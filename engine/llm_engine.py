@@ -555,5 +555,9 @@ class LLMEngine:
         )
 
     def close(self) -> None:
-        """Flush the SSD tier's write-behind and stop its threads."""
+        """Flush the SSD tier's write-behind and stop its threads (and a parallel
+        runner's workers)."""
         self.kv.close()
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
