@@ -204,7 +204,13 @@ class ParallelExecutor:
             if not isinstance(msg, wire.StepDone) or msg.step != self._step:
                 continue
             if msg.error is not None:
-                self._fail(f"worker rank {msg.rank} failed step {msg.step}: {msg.error}")
+                # A peer that died makes the survivors' collectives fail: name the dead one.
+                cause = self._dead_worker(wait_s=1.0)
+                first = msg.error.splitlines()[0]
+                self._fail(
+                    f"{cause + '; ' if cause else ''}worker rank {msg.rank} failed "
+                    f"step {msg.step}: {first}"
+                )
             pending.discard(msg.rank)
             self.times.forward[msg.rank] += msg.seconds
             slowest = max(slowest, msg.seconds)
@@ -253,14 +259,25 @@ class ParallelExecutor:
             if self._sock.poll(_POLL_MS):
                 _identity, data = self._sock.recv_multipart()
                 return wire.FROM_WORKER.decode(data)
-            for rank, proc in self._procs.items():
-                code = proc.poll()
-                if code is not None:
-                    self._fail(f"worker rank {rank} (pid {proc.pid}) exited with code {code}")
+            cause = self._dead_worker()
+            if cause:
+                self._fail(cause)
             if self._monitor.poll(0):
                 self._fail("a worker rank closed its connection to the engine core")
             if deadline is not None and time.monotonic() > deadline:
                 self._fail(f"no answer from every worker rank within {self._timeout:g} s")
+
+    def _dead_worker(self, wait_s: float = 0.0) -> str | None:
+        """Which local worker exited, waiting up to ``wait_s`` for one to; None if none."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            for rank, proc in self._procs.items():
+                code = proc.poll()
+                if code is not None:
+                    return f"worker rank {rank} (pid {proc.pid}) exited with code {code}"
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
 
     def _fail(self, message: str) -> None:
         self._failed = message
