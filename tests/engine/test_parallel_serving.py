@@ -17,6 +17,7 @@ next step with ``WorkerFailure`` within a bound (no hang).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
@@ -24,10 +25,10 @@ import time
 import pytest
 import torch
 
-from engine.builder import build_engine
+from engine.builder import build_engine, checkpoint_fingerprint
 from engine.checkpoint_writer import save_checkpoint, write_tiny_tokenizer
 from engine.engine_config import EngineConfig
-from engine.executor import WorkerFailure
+from engine.executor import WorkerFailure, free_port, start_worker, worker_specs
 from engine.model.config import ModelConfig
 from engine.model.model import DeepseekV41
 from engine.request import Request
@@ -151,7 +152,9 @@ def _one_rank_per_sequence(engine) -> None:
 
 
 TOPOLOGIES = {
-    "tp2": {"tensor_parallel_size": 2},
+    # Two "nodes" on loopback, one rank each: node 1's rank is started as
+    # ``flashserve serve --node-rank 1`` starts it, and connects to node 0's core.
+    "tp2-two-nodes": {"tensor_parallel_size": 2, "nnodes": 2},
     "dp2-ep2": {"data_parallel_size": 2, "enable_expert_parallel": True},
     "tp2-ep2": {"tensor_parallel_size": 2, "enable_expert_parallel": True},
 }
@@ -161,7 +164,23 @@ TOPOLOGIES = {
 def test_two_ranks_serve_the_tokens_of_one_process(checkpoint, single, name):
     want, want_hits = single
     dp = TOPOLOGIES[name].get("data_parallel_size", 1) > 1
-    engine = build_engine(_config(**TOPOLOGIES[name]), checkpoint)
+    flags = dict(TOPOLOGIES[name])
+    other_node = None
+    if flags.get("nnodes", 1) > 1:
+        flags["master_port"] = free_port()
+        node1 = dataclasses.replace(_config(**flags), node_rank=1)
+        model_id = checkpoint_fingerprint(checkpoint)
+        (spec,) = worker_specs(
+            node1, str(checkpoint), model_id, node1.master_port, node1.master_port + 1
+        )
+        assert spec.rank == 1
+        other_node = start_worker(spec)
+    try:
+        engine = build_engine(_config(**flags), checkpoint)
+    except BaseException:
+        if other_node is not None:
+            other_node.kill()
+        raise
     used: set[int] = set()
 
     def check(engine) -> None:
@@ -178,6 +197,8 @@ def test_two_ranks_serve_the_tokens_of_one_process(checkpoint, single, name):
             _kill_a_worker(engine)
     finally:
         engine.close()
+        if other_node is not None:  # it exits on the core's Stop
+            assert other_node.wait(30) == 0
     for rid in PROMPTS:
         if rid == ABORTED:  # cut short: a prefix of the single process's stream
             assert reasons[rid] == "abort"
