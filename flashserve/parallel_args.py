@@ -79,6 +79,12 @@ def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds one step (or collective) may take on the worker ranks before serving "
         "fails (default %(default)s)",
     )
+    group.add_argument(
+        "--worker-threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads per worker rank (default: torch's, OMP_NUM_THREADS)",
+    )
 
 
 def parallel_fields(args: argparse.Namespace) -> dict[str, Any]:
@@ -92,6 +98,7 @@ def parallel_fields(args: argparse.Namespace) -> dict[str, Any]:
         "master_addr": args.master_addr,
         "master_port": args.master_port,
         "worker_timeout_s": args.worker_timeout,
+        "worker_threads": args.worker_threads,
     }
 
 
