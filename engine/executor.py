@@ -107,6 +107,12 @@ class StepTimes:
     execute: float = 0.0  # whole ``execute`` in the core
     forward_max: float = 0.0  # the slowest rank's forward, summed over steps
     forward: list[float] = field(default_factory=list)  # per rank
+    comm: list[float] = field(default_factory=list)  # per rank, inside collectives (timed)
+
+    def reset(self) -> None:
+        self.steps, self.execute, self.forward_max = 0, 0.0, 0.0
+        self.forward = [0.0] * len(self.forward)
+        self.comm = [0.0] * len(self.comm)
 
 
 class ParallelExecutor:
@@ -141,7 +147,7 @@ class ParallelExecutor:
         self._released: dict[int, list[int]] = {}
         self._scores: dict[int, list[TokenLogprob]] = {}
         self._failed: str | None = None
-        self.times = StepTimes(forward=[0.0] * self.world)
+        self.times = StepTimes(forward=[0.0] * self.world, comm=[0.0] * self.world)
         try:
             for spec in worker_specs(config, model, model_id, dist_port, core_port):
                 self._procs[spec.rank] = start_worker(spec)
@@ -213,6 +219,7 @@ class ParallelExecutor:
                 )
             pending.discard(msg.rank)
             self.times.forward[msg.rank] += msg.seconds
+            self.times.comm[msg.rank] += msg.comm_seconds
             slowest = max(slowest, msg.seconds)
             for seq_id, row in msg.logits:
                 array = np.frombuffer(row, dtype=np.dtype(msg.logits_dtype))

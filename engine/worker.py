@@ -66,6 +66,29 @@ def _load(spec: wire.WorkerSpec, device: str):
     return net.eval()
 
 
+TIME_COLLECTIVES_ENV = "FLASHSERVE_TIME_COLLECTIVES"
+_COMM = [0.0]  # seconds inside torch.distributed collectives, when timed
+
+
+def _time_collectives() -> None:
+    """Wrap the collectives the model calls with a wall-clock timer (benchmarks: the
+    communication share of a step, waiting for the slower rank included)."""
+    import torch.distributed as dist
+
+    def timed(fn):
+        def call(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                _COMM[0] += time.perf_counter() - t0
+
+        return call
+
+    for name in ("all_reduce", "all_gather"):
+        setattr(dist, name, timed(getattr(dist, name)))
+
+
 class _Rank:
     """The model, the runner and the mirrored sequences of one rank."""
 
@@ -122,6 +145,7 @@ class _Rank:
             decodes=[self.seqs[s] for s in work.decodes],
         )
         t0 = time.perf_counter()
+        _COMM[0] = 0.0
         runs = any(c.end > c.start for c in batch.prefills) or bool(batch.decodes)
         logits: dict[int, torch.Tensor] = {}
         if runs:
@@ -131,7 +155,9 @@ class _Rank:
         scores = self.runner.take_prompt_logprobs()
         seconds = time.perf_counter() - t0
         if not self.leader:
-            return wire.StepDone(self.spec.rank, work.step, [], [], seconds=seconds)
+            return wire.StepDone(
+                self.spec.rank, work.step, [], [], seconds=seconds, comm_seconds=_COMM[0]
+            )
         rows = [(s, t.cpu().numpy().tobytes()) for s, t in logits.items()]
         dtype = str(next(iter(logits.values())).cpu().numpy().dtype) if logits else "float32"
         return wire.StepDone(
@@ -141,6 +167,7 @@ class _Rank:
             list(scores.items()),
             seconds=seconds,
             logits_dtype=dtype,
+            comm_seconds=_COMM[0],
         )
 
 
@@ -151,6 +178,8 @@ def run_worker(spec: wire.WorkerSpec) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if spec.threads is not None:
         torch.set_num_threads(spec.threads)
+    if os.environ.get(TIME_COLLECTIVES_ENV) == "1":
+        _time_collectives()
     device = _device(spec)
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if backend == "nccl":
@@ -185,11 +214,11 @@ def run_worker(spec: wire.WorkerSpec) -> int:
             code = 1
             break
         events = dict(poller.poll(_POLL_MS))
-        if monitor in events:
-            logger.error("worker rank %d: the engine core closed the connection", spec.rank)
-            code = 1
-            break
-        if sock not in events:
+        if sock not in events:  # a queued Stop goes before the disconnect that follows it
+            if monitor in events:
+                logger.error("worker rank %d: the engine core closed the connection", spec.rank)
+                code = 1
+                break
             continue
         msg = wire.TO_WORKER.decode(sock.recv())
         if isinstance(msg, wire.Stop):

@@ -81,6 +81,7 @@ class StepDone(msgspec.Struct, tag="done", array_like=True):
     error: str | None = None
     seconds: float = 0.0  # wall time of the step's forward on this rank
     logits_dtype: str = "float32"  # numpy's name (float64 in exact runs)
+    comm_seconds: float = 0.0  # of ``seconds``, inside collectives (FLASHSERVE_TIME_COLLECTIVES=1)
 
 
 FromWorker = Hello | StepDone
