@@ -73,8 +73,6 @@ def build_parallel_engine(config: EngineConfig, model: str | Path) -> LLMEngine:
 
     if str(model) == "tiny":
         raise ValueError("parallel serving loads a checkpoint directory (serve writes tiny's)")
-    if config.kv_dir is not None:
-        raise ValueError("the SSD KV tier (--kv-dir) is not supported with parallel serving yet")
     if config.runner != "paged":
         raise ValueError("parallel serving runs the paged runner")
     path = Path(model)
@@ -83,8 +81,11 @@ def build_parallel_engine(config: EngineConfig, model: str | Path) -> LLMEngine:
     layout = kv_layout(
         mc.kv_source_layer_ids, mc.compress_ratios, config.page_tokens, config.kv_dtype, model_id
     )
-    kv = DataParallelKV(layout, config.kv_cache_bytes, config.data_parallel_size)
+    kv = DataParallelKV(
+        layout, config.kv_cache_bytes, config.data_parallel_size, config.kv_dir, config.kv_dir_bytes
+    )
     runner = ParallelExecutor(config, str(path), model_id, kv.pool_of)
+    runner.kv = kv
     own = path / TOKENIZER_FILE
     tokenizer = load_tokenizer(own if own.is_file() else None)
     torch.manual_seed(config.seed)

@@ -37,6 +37,7 @@ import torch
 import zmq
 
 from engine import worker_protocol as wire
+from engine.dp_kv import DataParallelKV
 from engine.engine_config import EngineConfig
 from engine.request import TokenLogprob
 from engine.sequence import Sequence
@@ -130,6 +131,7 @@ class ParallelExecutor:
         self.tp = config.tensor_parallel_size
         self.dp = config.data_parallel_size
         self._dp_of = dp_of  # seq id -> DP rank (the KV placement)
+        self.kv: DataParallelKV | None = None  # the core's KV bookkeeping, set by the builder
         self._timeout = config.worker_timeout_s
         dist_port = config.master_port or free_port()
         core_port = config.master_port + 1 if config.master_port else free_port()
@@ -194,9 +196,19 @@ class ParallelExecutor:
             g = groups[self._state(c.seq, groups)]
             g.prefills.append((c.seq.seq_id, c.start, c.end, c.last))
             any_rows |= c.end > c.start
+        fetching: list[tuple[list[list[tuple[bytes, int]]], dict[int, bytes]]] = []
         for dp, g in enumerate(groups):
+            restore, segments = self._kv_traffic(dp)
+            fetching.append((segments, {}))
             work = wire.StepWork(
-                self._step, self._released.pop(dp, []), g.seqs, g.decodes, g.prefills, any_rows
+                self._step,
+                self._released.pop(dp, []),
+                g.seqs,
+                g.decodes,
+                g.prefills,
+                any_rows,
+                restore,
+                [p for segment in segments for _, p in segment],
             )
             data = wire.ENCODER.encode(work)
             for tp in range(self.tp):
@@ -226,10 +238,30 @@ class ParallelExecutor:
                 logits[seq_id] = torch.from_numpy(array.copy())
             for seq_id, scores in msg.prompt_scores:
                 self._scores.setdefault(seq_id, []).extend(scores)
+            if msg.pages:
+                fetching[msg.rank // self.tp][1].update(msg.pages)
+        for segments, rows in fetching:
+            if segments and self.kv is not None:
+                self.kv.write_fetched(segments, rows)
         self.times.steps += 1
         self.times.forward_max += slowest
         self.times.execute += time.perf_counter() - t0
         return logits
+
+    def _kv_traffic(self, dp: int) -> tuple[list[tuple[int, bytes]], list[list[tuple[bytes, int]]]]:
+        """DP rank ``dp``'s SSD-tier traffic for this step: pages restored into it since
+        the last step, and committed chain segments whose bytes to fetch for writing."""
+        if self.kv is None or self.kv.store is None:
+            return [], []
+        rank = self.kv.ranks[dp]
+        return rank.take_restored(), rank.take_unwritten()
+
+    def flush_kv(self) -> None:
+        """Fetch and write every committed page still waiting for its bytes (shutdown)."""
+        if self.kv is None or self.kv.store is None or self._failed is not None:
+            return
+        if any(m.unwritten or m.restored for m in self.kv.ranks):
+            self.execute(StepBatch())
 
     def _state(self, seq: Sequence, groups: list[_Group]) -> int:
         """Put ``seq``'s state (token delta, table, plan) in its DP group's message."""
@@ -300,6 +332,8 @@ class ParallelExecutor:
         """Stop the workers (they exit on ``Stop``, or when the socket closes) and reap them."""
         if self._ctx.closed:
             return
+        with contextlib.suppress(WorkerFailure):  # already logged; the close goes on
+            self.flush_kv()
         if self._failed is None:
             for rank in range(self.world):
                 with contextlib.suppress(zmq.ZMQError):

@@ -119,6 +119,14 @@ class _Rank:
         from engine.sequence import Sequence
         from engine.step import PrefillChunk, StepBatch
 
+        pool = self.kv.memory.pages
+        fetched = [(p, pool[p].cpu().numpy().tobytes()) for p in work.fetch] if self.leader else []
+        if work.restore:
+            ids = torch.tensor([p for p, _ in work.restore], device=pool.device)
+            rows = torch.stack(
+                [torch.frombuffer(bytearray(b), dtype=torch.uint8) for _, b in work.restore]
+            )
+            pool.index_copy_(0, ids, rows.to(pool.device))
         for seq_id in work.released:
             seq = self.seqs.pop(seq_id, None)
             if seq is not None:
@@ -167,6 +175,7 @@ class _Rank:
             list(scores.items()),
             seconds=seconds,
             logits_dtype=dtype,
+            pages=fetched,
             comm_seconds=_COMM[0],
         )
 

@@ -64,6 +64,10 @@ class StepWork(msgspec.Struct, tag="step", array_like=True):
     decodes: list[int]
     prefills: list[tuple[int, int, int, bool]]  # (seq id, start, end, last)
     any_rows: bool  # some rank runs a forward this step (an idle EP rank must join it)
+    # The SSD tier: page bytes the core loaded (into these page ids), and pages whose
+    # bytes it wants back (committed; read before anything this step writes).
+    restore: list[tuple[int, bytes]] = []
+    fetch: list[int] = []
 
 
 class Stop(msgspec.Struct, tag="stop", array_like=True):
@@ -81,6 +85,7 @@ class StepDone(msgspec.Struct, tag="done", array_like=True):
     error: str | None = None
     seconds: float = 0.0  # wall time of the step's forward on this rank
     logits_dtype: str = "float32"  # numpy's name (float64 in exact runs)
+    pages: list[tuple[int, bytes]] = []  # the fetched pages' bytes (TP rank 0)
     comm_seconds: float = 0.0  # of ``seconds``, inside collectives (FLASHSERVE_TIME_COLLECTIVES=1)
 
 

@@ -477,12 +477,6 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    if config.world_size > 1 and config.kv_dir is not None:
-        _say(
-            f"warning: the SSD KV tier is not supported with parallel serving yet; "
-            f"--kv-dir {config.kv_dir} is ignored (device tiers only)"
-        )
-        config.kv_dir = None
     if config.node_rank > 0:  # a multi-node deployment's other node: worker ranks only
         from flashserve.parallel_args import run_node_workers
 

@@ -11,7 +11,9 @@ partial products in another order), so argmax ties are not a concern at the
 tiny model's logit gaps.
 
 With DP attention each running sequence's pages are open on exactly one
-rank's pool and its state goes to that rank only. Killing a worker fails the
+rank's pool and its state goes to that rank only; with the SSD tier on, a
+prompt whose device pages were all evicted is restored from SSD (pages written
+from one rank's bytes, read back into whichever rank it is placed on). Killing a worker fails the
 next step with ``WorkerFailure`` within a bound (no hang).
 """
 
@@ -161,10 +163,12 @@ TOPOLOGIES = {
 
 
 @pytest.mark.parametrize("name", list(TOPOLOGIES))
-def test_two_ranks_serve_the_tokens_of_one_process(checkpoint, single, name):
+def test_two_ranks_serve_the_tokens_of_one_process(checkpoint, single, name, tmp_path):
     want, want_hits = single
     dp = TOPOLOGIES[name].get("data_parallel_size", 1) > 1
     flags = dict(TOPOLOGIES[name])
+    if dp:  # with the SSD tier, shared by both ranks
+        flags["kv_dir"] = str(tmp_path / "kv")
     other_node = None
     if flags.get("nnodes", 1) > 1:
         flags["master_port"] = free_port()
@@ -193,7 +197,10 @@ def test_two_ranks_serve_the_tokens_of_one_process(checkpoint, single, name):
         preemptions = engine.scheduler.num_preemptions
         in_use = [m.stats().device_pages_in_use for m in engine.kv.ranks]
         leftover = dict(engine.runner._where)
-        if name == "dp2-ep2":
+        if dp:
+            again, ssd_hit = _restore_from_ssd(engine)
+            assert again == want["r1"]  # the same answer from pages the SSD tier gave back
+            assert ssd_hit >= PAGE_TOKENS
             _kill_a_worker(engine)
     finally:
         engine.close()
@@ -213,6 +220,27 @@ def test_two_ranks_serve_the_tokens_of_one_process(checkpoint, single, name):
     assert in_use == [0] * len(in_use) and leftover == {}  # every page and state given back
     if dp:
         assert used == {0, 1}  # both ranks ran sequences
+
+
+def _restore_from_ssd(engine) -> tuple[list[int], int]:
+    """Evict every cached device page (fillers that fill both pools), then ask r1's
+    prompt again: its pages come from the SSD tier into the rank it is placed on
+    (bytes the core read, shipped with the step), written there by the core from
+    bytes fetched from the rank that computed them."""
+    for i in range(4):
+        engine.add_request(Request(f"fill{i}", _prompt(72, 200 + i), _greedy()))
+    _drain(engine, {}, {})
+    engine.kv.flush()
+    engine.add_request(Request("again", PROMPTS["r1"], _greedy()))
+    tokens: list[int] = []
+    ssd = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            for c in out.outputs:
+                tokens.extend(c.token_ids)
+            if out.finished:
+                ssd = out.usage.prompt_ssd_hit_tokens
+    return tokens, ssd
 
 
 def _kill_a_worker(engine) -> None:
