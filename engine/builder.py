@@ -31,6 +31,8 @@ def build_engine(
     from engine.checkpoint import load_checkpoint, set_engram_vocab
 
     if config.world_size > 1:
+        if encoder_only:
+            raise ValueError("a prefill worker (--role prefill) is not served in parallel yet")
         return build_parallel_engine(config, model)
     if str(model) == "tiny":
         net, model_id, own_tokenizer = _tiny_model(config), f"tiny-random-seed{config.seed}", None

@@ -56,7 +56,7 @@ def _load(spec: wire.WorkerSpec, device: str):
         path,
         dtype=dtype,
         device=device,
-        quantization=spec.quantization,  # type: ignore[arg-type]
+        quantization=spec.quantization,
         parallel=parallel,
     )
     if dtype == torch.float64:
@@ -123,10 +123,10 @@ class _Rank:
         fetched = [(p, pool[p].cpu().numpy().tobytes()) for p in work.fetch] if self.leader else []
         if work.restore:
             ids = torch.tensor([p for p, _ in work.restore], device=pool.device)
-            rows = torch.stack(
+            data = torch.stack(
                 [torch.frombuffer(bytearray(b), dtype=torch.uint8) for _, b in work.restore]
             )
-            pool.index_copy_(0, ids, rows.to(pool.device))
+            pool.index_copy_(0, ids, data.to(pool.device))
         for seq_id in work.released:
             seq = self.seqs.pop(seq_id, None)
             if seq is not None:
