@@ -127,7 +127,9 @@ class DataParallelKV:
         hashes = chain_hashes(token_ids, salt, self.page_tokens, n_pages=cap)
         load = [0] * len(self.ranks)
         for rid, r in self._rank.items():
-            if rid != request_id:
+            # Admitted sequences only: a placement of one that never got its pages
+            # (still waiting, or aborted while waiting) holds nothing there.
+            if rid != request_id and rid in self.ranks[r]._requests:
                 load[r] += 1
 
         def score(r: int) -> tuple[bool, int, int, int]:
@@ -141,7 +143,15 @@ class DataParallelKV:
 
         best = max(range(len(self.ranks)), key=score)
         self._rank[request_id] = best
+        if len(self._rank) > 4 * (sum(len(m._requests) for m in self.ranks) + 64):
+            self._forget_unadmitted(keep=request_id)
         return best
+
+    def _forget_unadmitted(self, keep: Hashable) -> None:
+        """Drop placements of sequences that hold no pages (aborted while waiting)."""
+        self._rank = {
+            rid: r for rid, r in self._rank.items() if rid == keep or rid in self.ranks[r]._requests
+        }
 
     def pool_of(self, request_id: Hashable) -> int:
         """The DP rank holding ``request_id``'s pages."""

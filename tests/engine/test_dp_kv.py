@@ -99,3 +99,13 @@ def test_preemption_takes_the_newest_sequence_on_the_same_rank():
     # sequence is open on two ranks.
     for s in seqs:
         assert [s.seq_id in m._requests for m in kv.ranks].count(True) <= 1
+
+
+def test_placements_of_sequences_that_never_got_pages_do_not_count_as_load():
+    kv = make_dp(pages_per_rank=4)
+    for rid in range(300):  # placed, never admitted (aborted while waiting)
+        kv.place(rid, tokens(PT, rid), b"")
+    admit(kv, 1000, tokens(PT, 1))
+    busy = kv.pool_of(1000)
+    assert kv.place(1001, tokens(PT, 2), b"") == 1 - busy  # the admitted one is the load
+    assert len(kv._rank) < 100  # stale placements are dropped as they pile up
