@@ -2,7 +2,7 @@
 
 Oracle: the same checkpoint in one process (``build_engine`` without parallel
 flags), float64, the same requests. Each topology launches its 2 workers once
-and runs, in that one engine: 8 requests of 5 to 40 tokens in chunked
+and runs, in that one engine: 8 requests of 5 to 40 tokens (6 more each) in chunked
 prefills, a KV pool small enough that sequences are preempted (and restored
 from the prefix cache), an abort mid-stream, then a second wave whose prompt
 extends a finished one (a prefix-cache hit). Greedy tokens must equal the
@@ -41,7 +41,7 @@ pytestmark = pytest.mark.slow
 
 PAGE_TOKENS = 16
 POOL_PAGES = 10  # per rank: 8 sequences of up to 3 pages each do not fit at once
-MAX_TOKENS = 8
+MAX_TOKENS = 6
 LENGTHS = (5, 40, 12, 23, 7, 31, 17, 9)
 ABORTED = "r5"
 HIT = "hit"  # the second wave: r1's prompt and more
@@ -227,8 +227,9 @@ def _restore_from_ssd(engine) -> tuple[list[int], int]:
     prompt again: its pages come from the SSD tier into the rank it is placed on
     (bytes the core read, shipped with the step), written there by the core from
     bytes fetched from the rank that computed them."""
+    fill = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)  # pages, not tokens
     for i in range(4):
-        engine.add_request(Request(f"fill{i}", _prompt(72, 200 + i), _greedy()))
+        engine.add_request(Request(f"fill{i}", _prompt(72, 200 + i), fill))
     _drain(engine, {}, {})
     engine.kv.flush()
     engine.add_request(Request("again", PROMPTS["r1"], _greedy()))
