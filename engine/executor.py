@@ -46,6 +46,9 @@ from engine.step import StepBatch
 logger = logging.getLogger(__name__)
 
 _POLL_MS = 100
+# Loading a rank's share of a full checkpoint takes minutes; a local worker that fails
+# to start is noticed at once (its exit), a remote one that never comes by this.
+START_TIMEOUT_S = 1800.0
 _PROJECT_ROOT = str(Path(__file__).resolve().parent.parent)
 
 
@@ -153,7 +156,7 @@ class ParallelExecutor:
         try:
             for spec in worker_specs(config, model, model_id, dist_port, core_port):
                 self._procs[spec.rank] = start_worker(spec)
-            self._wait_hello(config.worker_timeout_s * 4)
+            self._wait_hello(START_TIMEOUT_S)
         except BaseException:
             self.close()
             raise
