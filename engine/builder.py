@@ -30,6 +30,10 @@ def build_engine(
     """
     from engine.checkpoint import load_checkpoint, set_engram_vocab
 
+    if config.world_size > 1:
+        if encoder_only:
+            raise ValueError("a prefill worker (--role prefill) is not served in parallel yet")
+        return build_parallel_engine(config, model)
     if str(model) == "tiny":
         net, model_id, own_tokenizer = _tiny_model(config), f"tiny-random-seed{config.seed}", None
         if encoder_only:
@@ -55,6 +59,45 @@ def build_engine(
     tokenizer = load_tokenizer(own_tokenizer)
     torch.manual_seed(config.seed)  # the global RNG of unseeded sampling
     return LLMEngine.build(config, net.eval(), tokenizer=tokenizer, model_id=model_id)
+
+
+def build_parallel_engine(config: EngineConfig, model: str | Path) -> LLMEngine:
+    """The engine core of parallel serving: the scheduler and the KV bookkeeping here,
+    the model on ``config.world_size`` worker ranks (``engine/executor.py``).
+
+    With data parallelism the core keeps one KV pool's bookkeeping per DP rank
+    (``engine/dp_kv.py``); each sequence's pages live on one rank.
+    """
+    from engine.dp_kv import DataParallelKV
+    from engine.executor import ParallelExecutor
+    from engine.model.config import ModelConfig
+    from kvstore.layout import kv_layout
+
+    if str(model) == "tiny":
+        raise ValueError("parallel serving loads a checkpoint directory (serve writes tiny's)")
+    if config.runner != "paged":
+        raise ValueError("parallel serving runs the paged runner")
+    path = Path(model)
+    mc = ModelConfig.from_json(path)
+    model_id = checkpoint_fingerprint(path)
+    layout = kv_layout(
+        mc.kv_source_layer_ids, mc.compress_ratios, config.page_tokens, config.kv_dtype, model_id
+    )
+    kv = DataParallelKV(
+        layout, config.kv_cache_bytes, config.data_parallel_size, config.kv_dir, config.kv_dir_bytes
+    )
+    runner = ParallelExecutor(config, str(path), model_id, kv.pool_of)
+    runner.kv = kv
+    own = path / TOKENIZER_FILE
+    tokenizer = load_tokenizer(own if own.is_file() else None)
+    torch.manual_seed(config.seed)
+    return LLMEngine(
+        config,
+        runner,
+        kv,  # type: ignore[arg-type]
+        model_config=mc,
+        tokenizer=tokenizer,
+    )
 
 
 def _tiny_model(config: EngineConfig) -> DeepseekV41:

@@ -43,6 +43,17 @@ class EngineConfig:
     # CUDA graphs of decode steps (docs/design/cuda-graphs.md); never on CPU.
     enforce_eager: bool = False  # True: no graphs (--enforce-eager)
     cuda_graph_sizes: tuple[int, ...] | None = None  # buckets; None = 1, 2, 4, 8, 16, ...
+    # Parallel serving (docs/design/parallelism.md, "Workers"): T x D ranks, one
+    # worker process each; the scheduler stays in the engine core.
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1  # DP attention: each sequence lives on one DP rank
+    enable_expert_parallel: bool = False  # routed experts sharded over all T x D ranks
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"  # node 0: torch.distributed and the step channel
+    master_port: int = 0  # torch.distributed's port, the step channel one above; 0 = any free
+    worker_timeout_s: float = 120.0  # one step (and each collective) at most; then it fails
+    worker_threads: int | None = None  # torch threads per worker; None = torch's default
 
     def __post_init__(self) -> None:
         for name in (
@@ -77,6 +88,26 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.runner must be 'paged' or 'reference', got {self.runner}"
             )
+
+        for name in ("tensor_parallel_size", "data_parallel_size", "nnodes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"EngineConfig.node_rank {self.node_rank} of {self.nnodes} nodes")
+        if self.world_size % self.nnodes:
+            raise ValueError(
+                f"{self.world_size} ranks (tensor x data parallel) do not split over "
+                f"{self.nnodes} nodes"
+            )
+        if self.enable_expert_parallel and self.world_size == 1:
+            raise ValueError("expert parallelism needs more than one rank")
+        if self.nnodes > 1 and self.master_port == 0:
+            raise ValueError("several nodes need a --master-port they all know")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of parallel serving, T x D (1: the model runs in the engine core)."""
+        return self.tensor_parallel_size * self.data_parallel_size
 
     @property
     def torch_dtype(self) -> torch.dtype:

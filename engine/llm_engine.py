@@ -563,5 +563,9 @@ class LLMEngine:
         )
 
     def close(self) -> None:
-        """Flush the SSD tier's write-behind and stop its threads."""
+        """Flush the SSD tier's write-behind and stop its threads (and a parallel
+        runner's workers)."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:  # first: it writes the pages its workers still hold
+            close()
         self.kv.close()

@@ -129,6 +129,9 @@ class Scheduler:
         # A prefill holds pages for its whole sequence before it yields a token;
         # admitting without them would only start work that preemption throws away.
         # A waiting sequence holds no pages, so this asks for all of them.
+        place = getattr(self.kv, "place", None)
+        if place is not None:  # DP attention: choose the sequence's rank first (dp_kv.py)
+            place(seq.seq_id, seq.token_ids, seq.salt, not seq.prefill_only)
         if not self.kv.can_allocate(seq.seq_id, seq.num_tokens):
             return None
         hit = self.kv.plan_restore(
@@ -172,13 +175,22 @@ class Scheduler:
         """
         preempted = False
         while not self.kv.can_allocate(seq.seq_id, num_tokens):
-            victim = self.running[-1]
+            victim = self._victim(seq)
             self._preempt(victim, batch)
             preempted = True
             if victim is seq:
                 return False, True
         seq.block_table = self.kv.allocate(seq.seq_id, num_tokens)
         return True, preempted
+
+    def _victim(self, seq: Sequence) -> Sequence:
+        """The newest running sequence whose pages share ``seq``'s pool (under DP
+        attention, preempting another rank's sequence frees nothing for ``seq``)."""
+        pool_of = getattr(self.kv, "pool_of", None)
+        if pool_of is None:
+            return self.running[-1]
+        mine = pool_of(seq.seq_id)
+        return next(v for v in reversed(self.running) if pool_of(v.seq_id) == mine)
 
     def _preempt(self, seq: Sequence, batch: StepBatch) -> None:
         """Back to waiting; drop pages and runner state, and any work of this step."""

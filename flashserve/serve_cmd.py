@@ -310,13 +310,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument(
         "--seed", type=int, default=0, help="tiny model weights and the sampling RNG (default 0)"
     )
+    from flashserve.parallel_args import add_parallel_arguments
+
+    add_parallel_arguments(parser)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The ``EngineConfig`` the flags describe."""
     from engine.engine_config import EngineConfig
+    from flashserve.parallel_args import parallel_fields
 
     return EngineConfig(
+        **parallel_fields(args),
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         prefill_chunk_tokens=args.prefill_chunk_tokens,
@@ -478,7 +483,11 @@ def run(args: argparse.Namespace) -> int:
     from server.app import create_app
 
     started = time.monotonic()
-    config = engine_config(args)
+    try:
+        config = engine_config(args)
+    except ValueError as exc:  # e.g. a parallel topology that cannot be
+        print(f"flashserve serve: {exc}", file=sys.stderr)
+        return 2
     path = model_path(args.model, args.seed)
     if not (path / "config.json").is_file():
         print(
@@ -486,6 +495,10 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if config.node_rank > 0:  # a multi-node deployment's other node: worker ranks only
+        from flashserve.parallel_args import run_node_workers
+
+        return run_node_workers(config, path, _say)
     refusal = check_memory_plan(args, path)
     if refusal:
         print(f"flashserve serve: {refusal}", file=sys.stderr)
@@ -540,10 +553,10 @@ def run(args: argparse.Namespace) -> int:
 def check_memory_plan(args: argparse.Namespace, path: Path) -> str | None:
     """Print the memory plan of ``path``'s config on ``--device``; why it cannot start, or None.
 
-    One device: serving does not shard yet. The weights are planned packed, as the
-    release stores them (engine/memory_plan.py). On ``cpu`` the host is the device:
-    its physical memory (or ``--device-memory-gib``), less the Engram tables that
-    live in host memory too.
+    On the topology of the parallel flags (one device without them). The weights
+    are planned packed, as the release stores them (engine/memory_plan.py). On
+    ``cpu`` the host is the device: its physical memory (or ``--device-memory-gib``),
+    less the Engram tables that live in host memory too.
     """
     from engine.memory_plan import GIB, format_plan, memory_plan, weight_bytes
     from engine.model.config import ModelConfig
@@ -564,10 +577,19 @@ def check_memory_plan(args: argparse.Namespace, path: Path) -> str | None:
         _say(f"memory plan: cannot tell the memory of {device}; give --device-memory-gib")
         return None
     try:
+        from engine.memory_plan import Topology
+
+        topology = Topology(
+            args.tensor_parallel_size,
+            args.data_parallel_size,
+            args.enable_expert_parallel,
+            args.nnodes,
+        )
         plan = memory_plan(
             model,
-            1,
+            topology.world,
             memory,
+            topology=topology,
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_num_seqs=args.max_num_seqs,
             page_tokens=args.page_tokens,

@@ -88,6 +88,8 @@ class Block(nn.Module):
             R, x, pre_a, post_a, comb_a = R[keep], x[keep], pre_a[keep], post_a[keep], comb_a[keep]
             sel.keep(keep)
         if R.shape[0] == 0:
+            if self.ffn.parallel.ep_dispatch:  # the other EP ranks' rows need our experts
+                self.ffn(x)
             return R, pre_a
         R = hc_mix(R, self.attn(x, kv, sel), post_a, comb_a)
         pre_f, post_f, comb_f = self.hc_ffn(R)

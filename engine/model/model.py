@@ -125,6 +125,21 @@ class DeepseekV41(nn.Module):
                 noise = torch.randn(p.shape, generator=generator, dtype=torch.float32)
                 p.copy_(noise * std)
 
+    @torch.no_grad()
+    def idle_layers(self, first: int = 0) -> None:
+        """Enter the MoE of layers ``first`` on with no rows of our own.
+
+        Under EP dispatch (DP attention) every rank must join every MoE layer's
+        gather and all-reduce in a step, also a rank without rows (or whose rows
+        all stopped below the last layer): the others' rows need its experts.
+        Without dispatch a rank has nothing to join, and this does nothing.
+        """
+        if not self.parallel.ep_dispatch:
+            return
+        x = self.embed.weight.new_zeros(0, self.config.hidden_size)
+        for block in self.blocks[first:]:
+            block.ffn(x)
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -144,12 +159,13 @@ class DeepseekV41(nn.Module):
         R = self.embed(input_ids).unsqueeze(1).expand(-1, hc, -1).contiguous()
         pre = hc_initial_pre(R.shape[0], hc, R.device)
         sel = Selections(trace=trace)
-        for block in self.blocks:
+        for i, block in enumerate(self.blocks):
             rows = None
             if block.engram is not None:
                 rows = self.engram_window_rows(kv.token_windows(n), block.layer_id)
             R, pre = block(R, pre, rows, kv, sel)
             if R.shape[0] == 0:  # no row goes on (a prefill-only pass past layer B)
+                self.idle_layers(i + 1)
                 return torch.zeros(0, self.config.vocab_size, device=R.device)
         keep = kv.logit_rows()
         if keep is not None:

@@ -33,6 +33,9 @@ def test_every_engine_config_field_has_a_flag() -> None:
         *("--device", "cuda", "--dtype", "bfloat16", "--max-model-len", "4096"),
         *("--runner", "reference", "--seed", "7", "--quantization", "none"),
         *("--enforce-eager", "--cuda-graph-sizes", "1", "2"),
+        *("--tensor-parallel-size", "2", "--data-parallel-size", "4", "--enable-expert-parallel"),
+        *("--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1"),
+        *("--master-port", "29500", "--worker-timeout", "30", "--worker-threads", "4"),
     )
     config = serve_cmd.engine_config(args)
     expected = {
@@ -54,10 +57,42 @@ def test_every_engine_config_field_has_a_flag() -> None:
         "enforce_eager": True,
         "cuda_graph_sizes": (1, 2),
         "seed": 7,
+        "tensor_parallel_size": 2,
+        "data_parallel_size": 4,
+        "enable_expert_parallel": True,
+        "nnodes": 2,
+        "node_rank": 1,
+        "master_addr": "10.0.0.1",
+        "master_port": 29500,
+        "worker_timeout_s": 30.0,
+        "worker_threads": 4,
     }
     # A new EngineConfig field without a flag fails here.
     assert {f.name for f in dataclasses.fields(EngineConfig)} == set(expected)
     assert dataclasses.asdict(config) == expected
+
+
+def test_parallel_flags_default_to_torchruns_environment(monkeypatch) -> None:
+    """One serve process per node under torchrun: its rank and world size are the
+    node's rank and the node count; MASTER_ADDR / MASTER_PORT name node 0."""
+    for name, value in {"MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "29511"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    config = serve_cmd.engine_config(_args("--data-parallel-size", "4"))
+    assert (config.master_addr, config.master_port) == ("10.1.2.3", 29511)
+    assert (config.node_rank, config.nnodes, config.world_size) == (1, 2, 4)
+
+
+def test_a_topology_that_cannot_be_is_refused() -> None:
+    with pytest.raises(ValueError, match="do not split over 3 nodes"):
+        serve_cmd.engine_config(
+            _args("--data-parallel-size", "4", "--nnodes", "3", "--master-port", "1")
+        )
+    with pytest.raises(ValueError, match="needs more than one rank"):
+        serve_cmd.engine_config(_args("--enable-expert-parallel"))
+    with pytest.raises(ValueError, match="master-port"):
+        serve_cmd.engine_config(_args("--data-parallel-size", "2", "--nnodes", "2"))
 
 
 def test_quantization_flag_names_the_packed_path(capsys: pytest.CaptureFixture[str]) -> None:
