@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.model.mhc import hc_coefficients, sinkhorn
-from kernels import cpu_sinkhorn
+from kernels import cpu_native, cpu_sinkhorn
 
 
 def reference_sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -20,7 +20,7 @@ def reference_sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Te
 
 
 needs_c = pytest.mark.skipif(
-    cpu_sinkhorn._library() is None, reason="no C compiler: the eager passes are used"
+    cpu_native.library() is None, reason="no C compiler: the eager passes are used"
 )
 
 
@@ -80,5 +80,5 @@ def test_not_used_where_the_order_is_not_known_to_match(monkeypatch) -> None:
 def test_missing_compiler_leaves_the_eager_passes(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("FLASHSERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", "no-such-compiler")
-    monkeypatch.setattr(cpu_sinkhorn.shutil, "which", lambda name: None)
-    assert cpu_sinkhorn._build() is None
+    monkeypatch.setattr(cpu_native.shutil, "which", lambda name: None)
+    assert cpu_native.build() is None
