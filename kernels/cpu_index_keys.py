@@ -33,9 +33,17 @@ def usable(index_data: torch.Tensor, index_scales: torch.Tensor, pages: torch.Te
 
 
 def read_index_pages(
-    index_data: torch.Tensor, index_scales: torch.Tensor, pages: torch.Tensor
+    index_data: torch.Tensor,
+    index_scales: torch.Tensor,
+    pages: torch.Tensor,
+    scratch: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """float32 ``[*pages.shape, E, 128]``: ``kvstore`` pages' index keys (``usable`` first)."""
+    """float32 ``[*pages.shape, E, 128]``: ``kvstore`` pages' index keys (``usable`` first).
+
+    ``scratch``: a float32 buffer of at least that many values to decode into (a view
+    of it is returned), so a caller scoring block by block reuses one cache-resident
+    buffer instead of faulting in fresh pages for every block.
+    """
     lib = cpu_native.library()
     assert lib is not None
     flat = pages.reshape(-1).contiguous()
@@ -43,7 +51,13 @@ def read_index_pages(
     E = index_data.shape[1]
     if n_pages and (int(flat.min()) < 0 or int(flat.max()) >= index_data.shape[0]):
         raise IndexError(f"page id out of range [0, {index_data.shape[0]})")
-    out = torch.empty(n_pages, E, 128, dtype=torch.float32)
+    size = n_pages * E * 128
+    if scratch is not None:
+        assert scratch.dtype == torch.float32 and scratch.is_contiguous()
+        assert scratch.numel() >= size, "scratch too small"
+        out = scratch.view(-1)[:size].view(n_pages, E, 128)
+    else:
+        out = torch.empty(n_pages, E, 128, dtype=torch.float32)
     table = index_key_table(index_data.device)
     lib.fs_index_keys_f32(
         index_data.data_ptr(),

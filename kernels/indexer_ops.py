@@ -13,12 +13,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_index_keys
 from kernels.dispatch import use_triton
 from kernels.kv_cache_ops import is_raw_bf16, read_index, read_index_pages
 
 # Reference work sizes: bound the [rows, heads, columns] fp32 dot products.
 _REFERENCE_ROWS = 64
 _REFERENCE_COLS = 4096
+# Index keys per block on the C decode path: 4,096 x 512 B = 2 MB of fp32 keys.
+_CPU_BLOCK_KEYS = 4096
 
 
 def indexer_scores(
@@ -117,12 +120,23 @@ def _score_rows_batched(
     rows = rows[order]
     lengths: list[int] = n[order].tolist()
     budget = max(1, _REFERENCE_ROWS * _REFERENCE_COLS // 4)  # entries of keys per block
+    scratch = None
+    if cpu_index_keys.usable(index_data, index_scales, block_tables):
+        # The C decode writes each block into one reused buffer that stays in cache
+        # (2 MB), so the GEMM reads keys from cache, not DRAM. Each score column is
+        # its own dot product: the blocking does not change a value (tested).
+        budget = max(E, _CPU_BLOCK_KEYS // E * E)
+        scratch = torch.empty(budget * 128, dtype=torch.float32, device=out.device)
     p, n_pages = 0, -(-lengths[0] // E)
     while p < n_pages:
         active = sum(1 for m in lengths if m > p * E)  # rows sorted: a prefix
         span = max(1, min(budget // (active * E), n_pages - p))
         r = rows[:active]
-        k = read_index_pages(index_data, index_scales, block_tables[r, p : p + span])
+        pages = block_tables[r, p : p + span]
+        if scratch is not None and active * span * E <= budget:
+            k = cpu_index_keys.read_index_pages(index_data, index_scales, pages, scratch)
+        else:
+            k = read_index_pages(index_data, index_scales, pages)
         k = k.flatten(1, 2).to(dt)  # [active, span * E, 128]
         dots = torch.einsum("thd,tsd->ths", qi[r].to(dt), k)
         scores = (dots.relu() * w[r].to(dt)[:, :, None]).sum(dim=1)

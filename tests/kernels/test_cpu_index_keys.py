@@ -54,3 +54,23 @@ def test_layouts_it_does_not_know_stay_eager(monkeypatch) -> None:
     assert not cpu_index_keys.usable(data.transpose(0, 1), scales, torch.tensor([0]))
     monkeypatch.setenv(cpu_native.ENV_VAR, "0")
     assert not cpu_index_keys.usable(data, scales, torch.tensor([0]))
+
+
+def test_blocked_scoring_on_the_c_path_equals_the_eager_scores_bitwise(monkeypatch) -> None:
+    """Ragged decode rows over more keys than one C block: the same scores as the eager
+    decode scored in its own (larger) blocks, so the blocking changes no value."""
+    from kernels import indexer_ops
+
+    monkeypatch.setattr(indexer_ops, "_CPU_BLOCK_KEYS", 64)  # many blocks on the C path
+    data, scales, _ = _pages(P=40, E=8)
+    gen = torch.Generator().manual_seed(1)
+    T = 5
+    qi = torch.randn(T, 4, 128, generator=gen)
+    w = torch.randn(T, 4, generator=gen)
+    tables = torch.stack([torch.randperm(40, generator=gen)[:30] for _ in range(T)])
+    n_visible = torch.tensor([240, 3, 77, 0, 129])
+    got = indexer_ops.indexer_scores_reference(qi, w, data, scales, tables, n_visible, 240)
+    monkeypatch.setenv(cpu_native.ENV_VAR, "0")
+    want = indexer_ops.indexer_scores_reference(qi, w, data, scales, tables, n_visible, 240)
+    assert torch.equal(got, want)
+    assert torch.isinf(got[1, 3:]).all() and torch.isfinite(got[1, :3]).all()
