@@ -37,19 +37,21 @@ def read_index_pages(
     index_scales: torch.Tensor,
     pages: torch.Tensor,
     scratch: torch.Tensor | None = None,
+    check: bool = True,
 ) -> torch.Tensor:
     """float32 ``[*pages.shape, E, 128]``: ``kvstore`` pages' index keys (``usable`` first).
 
     ``scratch``: a float32 buffer of at least that many values to decode into (a view
     of it is returned), so a caller scoring block by block reuses one cache-resident
-    buffer instead of faulting in fresh pages for every block.
+    buffer instead of faulting in fresh pages for every block. ``check=False``: the
+    caller has already checked every page id is in range (the C loop does not).
     """
     lib = cpu_native.library()
     assert lib is not None
     flat = pages.reshape(-1).contiguous()
     n_pages = flat.numel()
     E = index_data.shape[1]
-    if n_pages and (int(flat.min()) < 0 or int(flat.max()) >= index_data.shape[0]):
+    if check and n_pages and (int(flat.min()) < 0 or int(flat.max()) >= index_data.shape[0]):
         raise IndexError(f"page id out of range [0, {index_data.shape[0]})")
     size = n_pages * E * 128
     if scratch is not None:

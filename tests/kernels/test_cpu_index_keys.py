@@ -74,3 +74,14 @@ def test_blocked_scoring_on_the_c_path_equals_the_eager_scores_bitwise(monkeypat
     want = indexer_ops.indexer_scores_reference(qi, w, data, scales, tables, n_visible, 240)
     assert torch.equal(got, want)
     assert torch.isinf(got[1, 3:]).all() and torch.isfinite(got[1, :3]).all()
+
+
+def test_scoring_rejects_a_block_table_pointing_past_the_pool() -> None:
+    from kernels import indexer_ops
+
+    data, scales, _ = _pages()
+    qi, w = torch.randn(1, 4, 128), torch.randn(1, 4)
+    with pytest.raises(IndexError):
+        indexer_ops.indexer_scores_reference(
+            qi, w, data, scales, torch.tensor([[0, 9]]), torch.tensor([16]), 16
+        )
