@@ -5,7 +5,8 @@ One process, one intra-op thread, the tiny model; every measured step toggles
 see the same sequences and the same machine drift. Reports the median process
 CPU time per step of each mode and operator calls per step (``torch.profiler``),
 at batch 1 / 8 / 32 (48-token prompts, all decoding) and at 1K / 32K context
-(``decode_bench``'s synthetic-KV single sequence), plus the engine overhead share
+(``decode_bench``'s synthetic-KV single sequence; the two contexts' steps interleave
+too, so their ratio is side by side), plus the engine overhead share
 at the largest batch (step time outside the runner's forward, engine counters).
 
     python bench/cpu_kernels_ab.py --steps 10 --json bench/results/cpu_kernels_ab.json
@@ -33,23 +34,34 @@ MODES = ("1", "0")
 
 
 def _ab(step: Callable[[], None], steps: int) -> dict[str, dict[str, float]]:
-    cpu: dict[str, list[float]] = {m: [] for m in MODES}
-    for m in MODES:  # warm both paths
-        os.environ[ENV_VAR] = m
-        step()
-    for _ in range(steps):
+    return _ab_many({"": step}, steps)[""]
+
+
+def _ab_many(
+    steps_of: dict[str, Callable[[], None]], steps: int
+) -> dict[str, dict[str, dict[str, float]]]:
+    """Round robin over (setup, mode): every setup's steps in both modes interleave, so
+    drift hits all of them alike (ratios between setups are side by side too)."""
+    cpu = {(name, m): [] for name in steps_of for m in MODES}
+    for step in steps_of.values():  # warm both paths
         for m in MODES:
             os.environ[ENV_VAR] = m
-            c0 = time.process_time()
             step()
-            cpu[m].append(time.process_time() - c0)
-    out = {}
-    for m in MODES:
-        os.environ[ENV_VAR] = m
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            step()
-        calls = sum(e.count for e in prof.key_averages())
-        out[m] = {"cpu_ms": statistics.median(cpu[m]) * 1e3, "op_calls": calls}
+    for _ in range(steps):
+        for name, step in steps_of.items():
+            for m in MODES:
+                os.environ[ENV_VAR] = m
+                c0 = time.process_time()
+                step()
+                cpu[name, m].append(time.process_time() - c0)
+    out: dict[str, dict[str, dict[str, float]]] = {name: {} for name in steps_of}
+    for name, step in steps_of.items():
+        for m in MODES:
+            os.environ[ENV_VAR] = m
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                step()
+            calls = sum(e.count for e in prof.key_averages())
+            out[name][m] = {"cpu_ms": statistics.median(cpu[name, m]) * 1e3, "op_calls": calls}
     os.environ[ENV_VAR] = "1"
     return out
 
@@ -77,7 +89,7 @@ def _batch(model, batch: int, steps: int) -> tuple[dict, float]:
     return res, overhead
 
 
-def _context(model, context: int, steps: int) -> dict:
+def _context(model, context: int, steps: int) -> Callable[[], None]:
     from bench.engine_bench import _manager, _sequence
     from engine.model_runner import PagedModelRunner
     from engine.step import StepBatch
@@ -111,7 +123,7 @@ def _context(model, context: int, steps: int) -> dict:
         seq.block_table = kv.allocate(0, seq.num_tokens)
         runner.execute(StepBatch(decodes=[seq]))
 
-    return _ab(step, steps)
+    return step
 
 
 def main() -> None:
@@ -137,12 +149,13 @@ def main() -> None:
             f"{on['cpu_ms'] / off['cpu_ms']:6.3f}   {on['op_calls']} vs {off['op_calls']}"
             f"   (engine overhead {overhead:.1%})"
         )
-    for ctx in args.context:
-        res = _context(model, ctx, args.steps)
-        out[f"ctx{ctx}"] = res
+    # Each context's sequence grows by one token per step; size the pools for all of them.
+    ctx_steps = {f"ctx{c}": _context(model, c, 2 * args.steps + 4) for c in args.context}
+    for name, res in _ab_many(ctx_steps, args.steps).items():
+        out[name] = res
         on, off = res["1"], res["0"]
         print(
-            f"context {ctx:<6d} {on['cpu_ms']:16.1f} {off['cpu_ms']:14.1f} "
+            f"context {name[3:]:<6s} {on['cpu_ms']:16.1f} {off['cpu_ms']:14.1f} "
             f"{on['cpu_ms'] / off['cpu_ms']:6.3f}   {on['op_calls']} vs {off['op_calls']}"
         )
     if len(args.context) == 2:
