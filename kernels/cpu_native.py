@@ -11,7 +11,8 @@ arithmetic as the eager code they replace, in the same order, in one call:
   no arithmetic, so equal by construction.
 
 The source is compiled with the system C compiler (``$CC``, else ``cc``/``gcc``)
-into ``$FLASHSERVE_CACHE_DIR`` (default ``~/.cache/flashserve``), keyed by a hash
+into ``cpu_kernels/`` of the cache directory (``$FLASHSERVE_CACHE``, else
+``$XDG_CACHE_HOME/flashserve``, else ``~/.cache/flashserve``), keyed by a hash
 of the source and flags. No compiler, a failed build, or ``FLASHSERVE_CPU_KERNELS=0``
 (read on every call) leave every caller on its eager code.
 """
@@ -97,10 +98,15 @@ def enabled() -> bool:
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("FLASHSERVE_CACHE_DIR") or os.path.join(
-        os.path.expanduser("~"), ".cache", "flashserve"
-    )
-    return Path(root) / "cpu_kernels"
+    # The serve command's cache convention (flashserve/serve_cmd.py), not imported:
+    # kernels stay below the server in the layering.
+    if os.environ.get("FLASHSERVE_CACHE"):
+        root = Path(os.environ["FLASHSERVE_CACHE"])
+    elif os.environ.get("XDG_CACHE_HOME"):
+        root = Path(os.environ["XDG_CACHE_HOME"]) / "flashserve"
+    else:
+        root = Path.home() / ".cache" / "flashserve"
+    return root / "cpu_kernels"
 
 
 def build() -> ctypes.CDLL | None:

@@ -78,7 +78,7 @@ def test_not_used_where_the_order_is_not_known_to_match(monkeypatch) -> None:
 
 
 def test_missing_compiler_leaves_the_eager_passes(monkeypatch, tmp_path) -> None:
-    monkeypatch.setenv("FLASHSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("FLASHSERVE_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "no-such-compiler")
     monkeypatch.setattr(cpu_native.shutil, "which", lambda name: None)
     assert cpu_native.build() is None
