@@ -34,7 +34,7 @@ MODES = {"ced": [], "full-depth": ["--disable-ced"]}
 VOCAB = 129_280
 
 
-async def ttft(base_url: str, prompt: list[int]) -> float:
+async def ttft(base_url: str, prompt: list[int] | str) -> float:
     body = {
         "model": "deepseek-flash",
         "prompt": prompt,
