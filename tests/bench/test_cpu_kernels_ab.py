@@ -38,3 +38,20 @@ def test_ttft_is_the_wait_for_the_first_streamed_token() -> None:
     with FakeServer(state) as server:
         t = asyncio.run(ttft(server.base_url, "a b c"))
     assert 0.3 <= t < 1.5  # the server waits 0.3 s before its first chunk
+
+
+def test_op_breakdown_charges_operations_to_their_sources() -> None:
+    from bench.engine_bench import tiny_model
+    from bench.op_breakdown import breakdown
+    from engine.paged_backend import PagedKV
+
+    store_swa = PagedKV.store_swa
+    torch.set_grad_enabled(False)
+    try:
+        counts = breakdown(tiny_model(), batch=1)
+    finally:
+        torch.set_grad_enabled(True)
+    assert PagedKV.store_swa is store_swa  # the wrappers are removed again
+    for source in ("MoE", "sparse attention", "mHC coefficients", "other"):
+        assert counts[source] > 0, source
+    assert sum(counts.values()) > 1000  # a decode step is thousands of operations
