@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels import cpu_index_keys
 from kernels.dispatch import use_triton
 from kernels.kv_formats import (
     INDEX_KEY,
@@ -83,6 +84,8 @@ def read_index_pages(
     Whole pages are gathered (one row copy per page, not one per entry) and
     decoded from the page views directly.
     """
+    if not is_raw_bf16(index_scales) and cpu_index_keys.usable(index_data, index_scales, pages):
+        return cpu_index_keys.read_index_pages(index_data, index_scales, pages)  # one C pass
     flat = pages.reshape(-1)
     data = index_data.index_select(0, flat).view(*pages.shape, *index_data.shape[1:])
     if is_raw_bf16(index_scales):

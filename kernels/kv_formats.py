@@ -200,17 +200,24 @@ def dequantize_index_key_parts(data: torch.Tensor, scales: torch.Tensor) -> torc
     # values already multiplied by the scale: the products the two-step decode
     # forms, computed once, so decoding is one pass (the indexer reads every
     # visible key per step).
-    table = _INDEX_KEY_TABLES.get(data.device)
-    if table is None:
-        every = torch.arange(256, dtype=torch.uint8, device=data.device)
-        pairs = e2m1_decode_packed(every[:, None])  # [256, 2]
-        products = pairs[None, :, :] * e8m0_decode(every)[:, None, None]  # [scale, byte, 2]
-        table = products.contiguous().view(torch.int64).view(-1)
-        _INDEX_KEY_TABLES[data.device] = table
+    table = index_key_table(data.device)
     n = data.reshape(-1, 64).shape[0]
     at = (scales.reshape(n, 4, 1).to(torch.int32) << 8) | data.reshape(n, 4, 16).to(torch.int32)
     out = torch.index_select(table, 0, at.view(-1)).view(torch.float32)
     return out.view(*data.shape[:-1], 128)
+
+
+def index_key_table(device: torch.device) -> torch.Tensor:
+    """int64 ``[256 * 256]``: entry ``scale_byte << 8 | data_byte`` holds that byte's two
+    float32 values times the scale (``kernels.cpu_index_keys`` copies from it too)."""
+    table = _INDEX_KEY_TABLES.get(device)
+    if table is None:
+        every = torch.arange(256, dtype=torch.uint8, device=device)
+        pairs = e2m1_decode_packed(every[:, None])  # [256, 2]
+        products = pairs[None, :, :] * e8m0_decode(every)[:, None, None]  # [scale, byte, 2]
+        table = products.contiguous().view(torch.int64).view(-1)
+        _INDEX_KEY_TABLES[device] = table
+    return table
 
 
 _INDEX_KEY_TABLES: dict[torch.device, torch.Tensor] = {}

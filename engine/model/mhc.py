@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from engine.model.precision import upcast
+from kernels import cpu_sinkhorn
 
 # post = POST_GAIN * sigmoid(...): lets a sublayer write up to twice its output.
 POST_GAIN = 2.0
@@ -26,9 +27,6 @@ def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     So ``iters = 20`` makes 1 + 2 * 19 = 39 passes, ending on a column pass:
     columns sum to 1 (up to eps), rows only approximately.
     """
-    # In place, into two small sum buffers: the same arithmetic in the same order as
-    # ``c = c / (c.sum(dim) + eps)`` per pass, without three fresh tensors per pass
-    # (the passes are tiny; their cost is per operation, not per element).
     if torch.is_grad_enabled() and logits.requires_grad:  # training: autograd needs copies
         c = torch.softmax(upcast(logits), dim=-1) + eps
         c = c / (c.sum(dim=-2, keepdim=True) + eps)
@@ -36,14 +34,14 @@ def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
             c = c / (c.sum(dim=-1, keepdim=True) + eps)
             c = c / (c.sum(dim=-2, keepdim=True) + eps)
         return c
-    c = torch.softmax(upcast(logits), dim=-1).add_(eps)
-    cols = c.sum(dim=-2, keepdim=True)
-    c.div_(cols.add_(eps))
-    rows = torch.empty_like(c[..., :1])
-    for _ in range(iters - 1):
-        c.div_(torch.sum(c, dim=-1, keepdim=True, out=rows).add_(eps))
-        c.div_(torch.sum(c, dim=-2, keepdim=True, out=cols).add_(eps))
-    return c
+    c = torch.softmax(upcast(logits), dim=-1)
+    # Serving: the 39 passes in place, in one C call on CPU (cpu_sinkhorn: the same
+    # float operations in the same order, checked bit for bit on this machine), else
+    # as eager tensor passes into two small sum buffers. Either way the arithmetic
+    # of ``c = c / (c.sum(dim) + eps)`` per pass; the cost is per operation.
+    if cpu_sinkhorn.usable(c):
+        return cpu_sinkhorn.passes_(c, iters, eps)
+    return cpu_sinkhorn.eager_passes(c, iters, eps)
 
 
 def hc_coefficients(
