@@ -7,7 +7,9 @@ Stages, in order (docs/design/engine.md, "Sampling"):
 2. penalties: repetition (prompt + output), frequency, presence (output only);
 3. logprobs are read here, from ``log_softmax`` of these processed logits (the
    one distribution both the chosen token's logprob and ``top_logprobs`` come
-   from; tokens it gives no probability are never listed);
+   from; tokens it gives no probability are never listed); a batch where no
+   row asks for logprobs gets its chosen tokens' values as logit minus
+   logsumexp instead, without materialising the distribution;
 4. greedy rows take the argmax; the others go through temperature, top-k,
    top-p, min-p, and an exponential race whose noise comes from the sequence's
    own generator.
@@ -305,12 +307,18 @@ class Sampler:
         batch = logits.shape[0]
         assert logits.dim() == 2, f"logits must be [B, V], got {tuple(logits.shape)}"
         assert len(params) == len(histories) == len(generators) == batch
-        logits = logits.to(torch.float32, copy=True)  # the caller's tensor stays untouched
+        # The caller's tensor stays untouched: copied only when a stage below writes
+        # in place (a [32, 129280] copy is ~5 ms of a CPU step).
+        logits = logits.to(torch.float32, copy=any(_edits_in_place(p) for p in params))
         apply_logit_bias(logits, params)
         errors = apply_token_masks(logits, params)
         apply_min_tokens(logits, params, histories, self.eos_token_id)
         apply_penalties(logits, params, histories)
-        logprobs = logits.log_softmax(dim=1)
+        # The whole distribution only when a row reports logprobs (its token's value and
+        # its top_logprobs then come from the same tensor); otherwise the chosen token's
+        # logprob is its logit minus the row's logsumexp, one read of the row, no write.
+        wants = any(p.logprobs is not None for p in params)
+        logprobs = logits.log_softmax(dim=1) if wants else None
 
         token_ids = torch.empty(batch, dtype=torch.int64, device=logits.device)
         greedy = [r for r, p in enumerate(params) if p.greedy]
@@ -328,8 +336,24 @@ class Sampler:
             kept = truncate(logits[idx], [params[r] for r in sampled])
             token_ids[idx] = exponential_race(kept.softmax(dim=1), [generators[r] for r in sampled])
 
+        if logprobs is None:
+            picked = logits.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+            chosen = picked - logits.logsumexp(dim=1)
+            return SamplerOutput(token_ids, chosen, None, errors)
         chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
         return SamplerOutput(token_ids, chosen, _top_logprobs(logprobs, params), errors)
+
+
+def _edits_in_place(p: SamplingParams) -> bool:
+    """Whether a stage of ``sample`` writes into the logits row of ``p``."""
+    return bool(
+        p.logit_bias
+        or p.mask_provider is not None
+        or p.min_tokens > 0
+        or p.repetition_penalty != 1.0
+        or p.frequency_penalty != 0.0
+        or p.presence_penalty != 0.0
+    )
 
 
 def _top_logprobs(

@@ -266,7 +266,9 @@ def test_sampler_never_picks_a_masked_token_and_does_not_accept() -> None:
     # Logprobs are over the allowed tokens only.
     expected = logits[:, [3, 11]].double().log_softmax(dim=1)
     col = (out.token_ids == 11).long()
-    assert torch.allclose(out.logprobs.double(), expected.gather(1, col[:, None]).squeeze(1))
+    # atol: with no row asking for logprobs the value is logit - logsumexp in fp32.
+    got = out.logprobs.double()
+    assert torch.allclose(got, expected.gather(1, col[:, None]).squeeze(1), rtol=0, atol=1e-6)
     assert provider.accepted == []  # accepting is the engine's job
 
 
@@ -417,3 +419,24 @@ def test_empirical_frequencies_after_top_p() -> None:
     counts = torch.bincount(torch.tensor(tokens), minlength=4).double()
     want = torch.tensor(probs, dtype=torch.float64) * 1000
     assert float(((counts - want) ** 2 / want).sum()) < 16.3  # 3 degrees of freedom, p = 0.001
+
+
+def test_chosen_logprobs_without_a_logprobs_request_equal_the_log_softmax() -> None:
+    """The batch that asks for no logprobs takes its chosen values from logsumexp; they
+    equal the processed distribution's log-softmax (float64 oracle), greedy and sampled
+    rows alike, and the caller's logits are never written."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 50, generator=gen) * 4
+    before = logits.clone()
+    params = [SamplingParams(temperature=0.0)] * 3 + [SamplingParams(temperature=0.7, top_k=5)] * 3
+    torch.manual_seed(1)
+    out = Sampler().sample(logits, params, _empty(6), [None] * 6)
+    assert out.top_logprobs is None
+    expected = logits.double().log_softmax(dim=1).gather(1, out.token_ids[:, None]).squeeze(1)
+    assert torch.allclose(out.logprobs.double(), expected, atol=1e-6)
+    assert out.token_ids[:3].tolist() == logits[:3].argmax(dim=1).tolist()
+    assert torch.equal(logits, before)
+    # A row that edits its logits in place (a penalty) still leaves the caller's alone.
+    hist = [SeqHistory([int(t) for t in out.token_ids[:1]], [])] + _empty(5)
+    Sampler().sample(logits, [SamplingParams(repetition_penalty=1.5), *params[1:]], hist, [None] * 6)
+    assert torch.equal(logits, before)
