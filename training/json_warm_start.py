@@ -131,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     with open(out / "training.json", "w", encoding="utf-8") as f:
         json.dump(record, f, indent=1)
         f.write("\n")
-    final = result.log[-1].heldout_loss
+    final = result.log[-1].heldout_loss  # the last step always evaluates
+    assert final is not None
     print(f"wrote {out} in {record['wall_seconds']:.0f} s; heldout ppl {math.exp(final):.1f}")
     return 0
 

@@ -130,12 +130,12 @@ def train(
     try:
         for step in range(cfg.steps):
             started = time.monotonic()
-            timed = cfg.max_seconds is not None
-            progress = (started - began) / cfg.max_seconds if timed else None
+            budget = cfg.max_seconds
+            progress = None if budget is None else (started - began) / budget
             lr = learning_rate(step, cfg, progress)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            late = progress >= cfg.qat_from if timed else step >= qat_step
+            late = step >= qat_step if progress is None else progress >= cfg.qat_from
             qat = quantised_weights(model) if late else contextlib.nullcontext()
             with qat:
                 lm, kl = 0.0, 0.0
@@ -148,7 +148,7 @@ def train(
                     lm += float(ce.detach()) / cfg.micro_batches
                     kl += float(aux.detach()) / cfg.micro_batches
                 last = step == cfg.steps - 1 or (
-                    timed and started - began + 2 * last_seconds >= cfg.max_seconds
+                    budget is not None and started - began + 2 * last_seconds >= budget
                 )
                 evaluate = (step + 1) % cfg.eval_every == 0 or last
                 held = heldout_loss(model, heldout) if evaluate else None

@@ -81,3 +81,28 @@ def test_too_few_pairs_raise(tokenizers) -> None:
 
 def _cuts(tokenizer, text: str) -> list[int]:
     return [end for _, end in tokenizer.encode(text).offsets]
+
+
+def test_the_demo_recipe_makes_the_json_sample_cheap() -> None:
+    """training/json_warm_start.py's merges on the committed demo tokenizer: the JSON sample
+    goes from 1.82 characters a token to 2.8 and round-trips; play lines keep their cuts.
+    The recipe draws the replies from the plays (2.809, bench/tokenizer_cost.py); with
+    these two fixed ones it measures 2.797, hence the bound."""
+    from pathlib import Path
+
+    from engine.tokenizer import load_tokenizer
+    from training.demo_config import DEMO_VOCAB_SIZE, demo_checkpoint_dir
+    from training.json_warm_start import MERGE_SEED, NEW_IDS, TOOL_CONVERSATIONS, tool_texts
+
+    old = load_tokenizer(demo_checkpoint_dir())
+    if old.get_vocab_size() != DEMO_VOCAB_SIZE:
+        pytest.skip("the committed demo tokenizer is already extended")
+    replies = ["Now is the winter of our discontent.", "What's past is prologue."]
+    new = extend_tokenizer(old, tool_texts(replies, TOOL_CONVERSATIONS, MERGE_SEED), NEW_IDS)
+    sample = (Path(__file__).parents[2] / "bench" / "data" / "tool_json_sample.txt").read_text()
+    ids = new.encode(sample).ids
+    assert len(sample) / len(old.encode(sample).ids) < 1.9
+    assert len(sample) / len(ids) >= 2.79
+    assert new.decode(ids, skip_special_tokens=False) == sample
+    verse = "Ham. To be, or not to be: that is the question:\nWhether 'tis nobler in the mind\n"
+    assert set(_cuts(new, verse)) <= set(_cuts(old, verse))
