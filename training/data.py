@@ -10,6 +10,7 @@ from tokenizers import Tokenizer
 from training.bpe import BOS_ID
 from training.chat_data import render_conversation, speeches
 from training.corpus import Play
+from training.tool_data import tool_conversation
 
 
 def encode_play(tokenizer: Tokenizer, play: Play) -> torch.Tensor:
@@ -24,8 +25,10 @@ class SequenceSampler:
     With probability ``chat_fraction`` a sequence packs conversations of
     consecutive speeches (1-3 exchanges; thinking on for half, the play's
     title as system prompt for 30%, as a served chat request would render
-    them); otherwise it is a window of one play's text, plays weighted by
-    length. Deterministic for a seed.
+    them); with probability ``tool_fraction`` it is tool-call conversations
+    (tool_data.py) packed and cut so that the sequence ends at the end of one,
+    so the call after a long tool block is always seen; otherwise it is a
+    window of one play's text, plays weighted by length. Deterministic for a seed.
     """
 
     def __init__(
@@ -35,19 +38,25 @@ class SequenceSampler:
         seq_len: int,
         chat_fraction: float,
         seed: int,
+        tool_fraction: float = 0.0,
     ) -> None:
         self.tokenizer = tokenizer
         self.seq_len = seq_len
         self.chat_fraction = chat_fraction
+        self.tool_fraction = tool_fraction
         self.rng = random.Random(seed)
         self.texts = [encode_play(tokenizer, p) for p in plays]
         self.speeches = [speeches(p.text) for p in plays]
         self.titles = [p.title for p in plays]
         self.weights = [len(t) for t in self.texts]
+        self.replies = [s for lines in self.speeches for s in lines]
 
     def sample(self) -> torch.Tensor:
-        if self.rng.random() < self.chat_fraction:
+        draw = self.rng.random()
+        if draw < self.chat_fraction:
             return self._chat()
+        if draw < self.chat_fraction + self.tool_fraction:
+            return self._tool_calls()
         (ids,) = self.rng.choices(self.texts, weights=self.weights)
         start = self.rng.randrange(len(ids) - self.seq_len)
         return ids[start : start + self.seq_len + 1]
@@ -57,6 +66,13 @@ class SequenceSampler:
         while len(ids) <= self.seq_len:
             ids += self.tokenizer.encode(self.conversation(), add_special_tokens=False).ids
         return torch.tensor(ids[: self.seq_len + 1], dtype=torch.long)
+
+    def _tool_calls(self) -> torch.Tensor:
+        ids: list[int] = []
+        while len(ids) <= self.seq_len:
+            text = tool_conversation(self.rng, self.replies).text
+            ids += self.tokenizer.encode(text, add_special_tokens=False).ids
+        return torch.tensor(ids[-(self.seq_len + 1) :], dtype=torch.long)
 
     def conversation(self) -> str:
         play = self.rng.randrange(len(self.speeches))

@@ -51,7 +51,9 @@ def build_demo(
     params = sum(p.numel() for p in model.parameters())
     say(f"model: {params / 1e6:.1f} M parameters, {n_classes} Engram classes")
 
-    sampler = SequenceSampler(tokenizer, corpus.train, cfg.seq_len, cfg.chat_fraction, cfg.seed)
+    sampler = SequenceSampler(
+        tokenizer, corpus.train, cfg.seq_len, cfg.chat_fraction, cfg.seed, cfg.tool_fraction
+    )
     heldout = heldout_windows(tokenizer, corpus.heldout, cfg.seq_len, EVAL_WINDOWS)
     result = train(model, sampler, heldout, cfg, say)
 

@@ -39,10 +39,17 @@ class TrainConfig:
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     chat_fraction: float = 0.25
+    tool_fraction: float = 0.0  # tool-call conversations (tool_data.py)
     qat_from: float = 0.7  # fraction of the steps after which weights are fake-quantised
     router_bias_rate: float = 5e-3
     eval_every: int = 100
     seed: int = 0
+    # A wall-clock budget instead of a step count: the cosine decay and the switch to
+    # quantised weights follow the elapsed fraction of it, and training stops when the
+    # next step would overrun it (``steps`` is then only an upper bound). For a shared
+    # machine whose speed is not known in advance; a run is then not reproducible
+    # step for step.
+    max_seconds: float | None = None
 
 
 @dataclass(slots=True)
@@ -65,11 +72,15 @@ class TrainResult:
         return {"config": asdict(self.config), "log": [asdict(s) for s in self.log]}
 
 
-def learning_rate(step: int, cfg: TrainConfig) -> float:
-    """Linear warm-up, then cosine decay to ``min_lr_ratio * lr`` at the last step."""
+def learning_rate(step: int, cfg: TrainConfig, progress: float | None = None) -> float:
+    """Linear warm-up, then cosine decay to ``min_lr_ratio * lr`` at the last step.
+
+    ``progress`` (0-1), when given, replaces the step's place in the decay (time budget).
+    """
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - 1 - cfg.warmup_steps)
+    if progress is None:
+        progress = (step - cfg.warmup_steps) / max(1, cfg.steps - 1 - cfg.warmup_steps)
     cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine)
 
@@ -115,13 +126,17 @@ def train(
     balance = RouterBalance(model, cfg.router_bias_rate)
     result = TrainResult(cfg)
     qat_step = round(cfg.qat_from * cfg.steps)
+    began, last_seconds = time.monotonic(), 0.0
     try:
         for step in range(cfg.steps):
             started = time.monotonic()
-            lr = learning_rate(step, cfg)
+            budget = cfg.max_seconds
+            progress = None if budget is None else (started - began) / budget
+            lr = learning_rate(step, cfg, progress)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            qat = quantised_weights(model) if step >= qat_step else contextlib.nullcontext()
+            late = step >= qat_step if progress is None else progress >= cfg.qat_from
+            qat = quantised_weights(model) if late else contextlib.nullcontext()
             with qat:
                 lm, kl = 0.0, 0.0
                 for _ in range(cfg.micro_batches):
@@ -132,7 +147,9 @@ def train(
                     ((ce + aux) / cfg.micro_batches).backward()
                     lm += float(ce.detach()) / cfg.micro_batches
                     kl += float(aux.detach()) / cfg.micro_batches
-                last = step == cfg.steps - 1
+                last = step == cfg.steps - 1 or (
+                    budget is not None and started - began + 2 * last_seconds >= budget
+                )
                 evaluate = (step + 1) % cfg.eval_every == 0 or last
                 held = heldout_loss(model, heldout) if evaluate else None
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -141,11 +158,14 @@ def train(
             load = balance.update()
             entry = StepLog(step, lm, kl, lr, time.monotonic() - started, load, held)
             result.log.append(entry)
+            last_seconds = entry.seconds
             say(
                 f"step {step + 1}/{cfg.steps} loss {lm:.3f} indexer_kl {kl:.3f} lr {lr:.2e} "
                 f"max_load {load:.2f} {entry.seconds:.1f}s"
                 + (f" heldout {held:.3f} (ppl {math.exp(held):.1f})" if held is not None else "")
             )
+            if last:
+                break
     finally:
         inputs.remove()
         balance.remove()

@@ -50,3 +50,43 @@ def test_tiny_model_memorises_a_sequence() -> None:
     assert result.log[-1].loss < 0.7 * result.log[0].loss
     assert all(p.dtype == torch.float32 for p in model.parameters())
     assert not model.training
+
+
+def test_learning_rate_follows_progress_when_given() -> None:
+    cfg = TrainConfig(steps=1000, warmup_steps=5, lr=1.0, min_lr_ratio=0.1)
+    assert learning_rate(2, cfg, progress=0.9) == pytest.approx(0.6)  # warm-up is by step
+    assert learning_rate(50, cfg, progress=0.5) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert learning_rate(50, cfg, progress=1.0) == pytest.approx(0.1)
+    assert learning_rate(50, cfg, progress=1.7) == pytest.approx(0.1)  # past the budget
+
+
+class _Clock:
+    """A monotonic clock that moves one second each time it is read."""
+
+    def __init__(self) -> None:
+        self.now = -1.0
+
+    def monotonic(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+def test_a_time_budget_ends_the_run_and_drives_the_schedule(monkeypatch) -> None:
+    import training.trainer as trainer
+
+    monkeypatch.setattr(trainer, "time", _Clock())
+    config = ModelConfig.tiny().replace(vocab_size=256)
+    model = DeepseekV41(config)
+    model.init_weights(torch.Generator().manual_seed(0))
+    ids = torch.randint(3, 256, (25,), generator=torch.Generator().manual_seed(0))
+    cfg = TrainConfig(
+        steps=100, micro_batches=1, seq_len=24, lr=1.0, warmup_steps=1, eval_every=50,
+        min_lr_ratio=0.1, max_seconds=10.0,
+    )  # fmt: skip
+    result = train(model, _OneSequence(ids), [ids], cfg, lambda _: None)
+    # Clock reads: start 0; step k starts at 1 + 2k and lasts 1 s. Step k is the last when
+    # the next one would overrun: 1 + 2k + 2 * 1 >= 10, so k = 4 (five steps).
+    assert [s.step for s in result.log] == [0, 1, 2, 3, 4]
+    assert [s.heldout_loss is not None for s in result.log] == [False] * 4 + [True]
+    cosine = [0.1 + 0.45 * (1 + math.cos(math.pi * (1 + 2 * k) / 10)) for k in range(1, 5)]
+    assert [s.lr for s in result.log] == pytest.approx([1.0, *cosine])
