@@ -437,6 +437,7 @@ def test_chosen_logprobs_without_a_logprobs_request_equal_the_log_softmax() -> N
     assert out.token_ids[:3].tolist() == logits[:3].argmax(dim=1).tolist()
     assert torch.equal(logits, before)
     # A row that edits its logits in place (a penalty) still leaves the caller's alone.
-    hist = [SeqHistory([int(t) for t in out.token_ids[:1]], [])] + _empty(5)
-    Sampler().sample(logits, [SamplingParams(repetition_penalty=1.5), *params[1:]], hist, [None] * 6)
+    hist = [SeqHistory([int(t) for t in out.token_ids[:1]], []), *_empty(5)]
+    edited = [SamplingParams(repetition_penalty=1.5), *params[1:]]
+    Sampler().sample(logits, edited, hist, [None] * 6)
     assert torch.equal(logits, before)
