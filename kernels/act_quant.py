@@ -62,20 +62,22 @@ _EXPONENT_BITS = 0x7F800000
 # (fraction bits above 0x600000). Adding 0x1FFFFF carries into the exponent field
 # exactly then; subtracting 8 << 23 takes 448 = 1.75 * 2^8 off. One integer op.
 _SCALE_OFFSET = (8 << 23) - 0x1FFFFF
-_CONSTANTS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+_CONSTANTS: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
 
 def _scaled_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(``x / scale`` per block, saturated to +-448, ``[..., K / 32, 32]``; the scales).
 
-    The fused form of ``e4m3_encode(blocks / block_scales(amax))``: nine tensor
-    ops, each intermediate written once and updated in place. ``nan_to_num``
-    maps an inf to the largest finite float, so amax is finite here and the
-    scale needs no inf case (it is 2^120 there, as ``block_scales`` gives).
+    The fused form of ``e4m3_encode(blocks / block_scales(nan-free amax))``: eight
+    tensor ops, intermediates updated in place. An inf in a block gives the scale
+    2^120, as the rule's ``nan_to_num`` (inf -> the largest float) does; the value
+    saturates to 448.
     """
     blocks = _blocks(x)
-    amax = blocks.abs().nan_to_num_(nan=0.0).amax(-1).clamp_(min=ACT_AMAX_FLOOR)
-    offset, mask = _int_constants(x.device)
+    offset, mask, floor = _constants(x.device)
+    # fmax ignores NaN, so this is the floored amax without NaNs in one op; an inf
+    # stays inf, whose scale below is 2^120 as the largest float's is.
+    amax = torch.fmax(blocks.abs(), floor).amax(-1)
     bits = amax.view(torch.int32).sub_(offset).bitwise_and_(mask)
     scales = bits.view(torch.float32)
     # Dividing by a power of two is exact (or the correctly rounded underflow,
@@ -84,18 +86,20 @@ def _scaled_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return scaled, scales
 
 
-def _int_constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``_SCALE_OFFSET`` and ``_EXPONENT_BITS`` as 0-d int32 tensors: an integer op
-    with a Python int wraps the scalar on every call, which costs more than the op
-    (some 10 us against 2 on the 2-core VM)."""
-    pair = _CONSTANTS.get(device)
-    if pair is None:
-        pair = tuple(
-            torch.tensor(v, dtype=torch.int32, device=device)
-            for v in (_SCALE_OFFSET, _EXPONENT_BITS)
+def _constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``_SCALE_OFFSET``, ``_EXPONENT_BITS`` (0-d int32) and the amax floor (0-d float32)
+    as tensors: an integer op with a Python int wraps the scalar on every call, which
+    costs more than the op (some 10 us against 2 on the 2-core VM), and ``fmax`` takes
+    tensors only."""
+    consts = _CONSTANTS.get(device)
+    if consts is None:
+        consts = (
+            torch.tensor(_SCALE_OFFSET, dtype=torch.int32, device=device),
+            torch.tensor(_EXPONENT_BITS, dtype=torch.int32, device=device),
+            torch.tensor(ACT_AMAX_FLOOR, dtype=torch.float32, device=device),
         )
-        _CONSTANTS[device] = pair
-    return pair
+        _CONSTANTS[device] = consts
+    return consts
 
 
 def block_scales(amax: torch.Tensor) -> torch.Tensor:

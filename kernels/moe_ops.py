@@ -182,12 +182,15 @@ def grouped_mxfp4_matmul_cpu(
     if chunks is None:
         chunks = expert_chunks(offsets, counts, n * k, w.device)
     pairs, scales = _decode_tables(w.device)
+    pair_words = pairs.view(torch.int64).view(256)
     w_bytes = w.view(torch.uint8).view(e_total, n * half_k)
     s_bytes = w_scale.view(torch.uint8).view(e_total, n * (k // BLOCK))
     for ids, ranges in chunks.chunks:
         m = len(ranges)
         codes = w_bytes.index_select(0, ids).view(-1).to(torch.int32)
-        tiles = pairs.index_select(0, codes).view(m, n, k)
+        # Both values of a byte as one 8-byte word: a 1-D gather of words (bit copies)
+        # is several times faster on the CPU than gathering rows of a [256, 2] table.
+        tiles = pair_words.index_select(0, codes).view(torch.float32).view(m, n, k)
         s = scales.index_select(0, s_bytes.index_select(0, ids).view(-1).to(torch.int32))
         tiles.view(m, n, k // BLOCK, BLOCK).mul_(s.view(m, n, -1, 1))
         for j, (r0, r1) in enumerate(ranges):

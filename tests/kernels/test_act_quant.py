@@ -110,7 +110,13 @@ def _boundary_rows() -> torch.Tensor:
     special[33] = 1.0
     special[64] = -math.inf
     special[96:128] = torch.finfo(torch.float32).max  # the largest float itself
-    flat = torch.cat([*rows, special])
+    floor = torch.tensor(1e-4)
+    near_floor = torch.zeros(4, 32)  # amax at, just under and just over the 1e-4 floor
+    near_floor[:, 0] = torch.stack(
+        [floor, torch.nextafter(floor, floor * 0), torch.nextafter(floor, floor * 2), floor / 2]
+    )
+    near_floor[:, 1] = -near_floor[:, 0] / 3
+    flat = torch.cat([*rows, special, near_floor.flatten()])
     flat = torch.cat([flat, torch.zeros((-flat.numel()) % 64)])
     return flat.view(-1, 64)
 
