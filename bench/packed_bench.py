@@ -9,8 +9,10 @@ time) and ``quantization="none"`` (every weight in ``--dtype``). One intra-op
 thread, the paged runner; for each batch size both engines prefill the same
 ``batch`` prompts of 48 tokens, then decode steps alternate between the two
 engines so drifts in machine load hit both. Prints the median step time of each,
-their ratio (the issue's goal: packed <= 1.5x on CPU) and the bytes the dense
-FP8 linears hold; JSON in ``bench/results/packed_bench.json``.
+their ratio (the issue's goal: packed <= 1.5x on CPU), the same for the step's
+CPU time (``time.thread_time``: the steadier figure on a shared host, where wall
+time includes waiting for a core) and the bytes the dense FP8 linears hold; JSON
+in ``bench/results/packed_bench.json``.
 """
 
 from __future__ import annotations
@@ -54,10 +56,15 @@ def _engine(model, batch: int, steps: int) -> LLMEngine:
     return engine
 
 
-def _step_s(engine: LLMEngine) -> float:
-    t0 = time.perf_counter()
+def _step_s(engine: LLMEngine) -> tuple[float, float]:
+    """(wall seconds, this thread's CPU seconds) of one engine step.
+
+    The CPU time leaves out the time the thread waits for a core: on a shared host
+    it is the steadier measure of the work (one intra-op thread, in this thread).
+    """
+    t0, c0 = time.perf_counter(), time.thread_time()
     engine.step()
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.thread_time() - c0
 
 
 def dense_fp8_bytes(model) -> dict[str, int]:
@@ -87,24 +94,30 @@ def run(dtype: str, batches: list[int], steps: int) -> dict:
     }
     for batch in batches:
         engines = {q: _engine(m, batch, steps) for q, m in models.items()}
-        times: dict[str, list[float]] = {q: [] for q in engines}
+        times: dict[str, list[tuple[float, float]]] = {q: [] for q in engines}
         with torch.no_grad():
             for _ in range(steps):
                 for q, engine in engines.items():
                     times[q].append(_step_s(engine))
         for engine in engines.values():
             engine.close()
-        med = {q: statistics.median(t) * 1e3 for q, t in times.items()}
+        med = {q: statistics.median(w for w, _ in t) * 1e3 for q, t in times.items()}
+        cpu = {q: statistics.median(c for _, c in t) * 1e3 for q, t in times.items()}
         row = {
             "batch": batch,
             "packed_ms": med["auto"],
             "dequantised_ms": med["none"],
             "ratio": med["auto"] / med["none"],
+            "packed_cpu_ms": cpu["auto"],
+            "dequantised_cpu_ms": cpu["none"],
+            "cpu_ratio": cpu["auto"] / cpu["none"],
         }
         result["rows"].append(row)
         print(
             f"batch {batch}: packed {row['packed_ms']:.2f} ms, dequantised "
-            f"{row['dequantised_ms']:.2f} ms, ratio {row['ratio']:.2f} (median of {steps})"
+            f"{row['dequantised_ms']:.2f} ms, ratio {row['ratio']:.2f} (median of {steps}); "
+            f"CPU time {row['packed_cpu_ms']:.2f} / {row['dequantised_cpu_ms']:.2f} ms, "
+            f"ratio {row['cpu_ratio']:.2f}"
         )
     d = result["dense_fp8"]
     print(

@@ -21,12 +21,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model.precision import upcast
+from engine.model.precision import compute_dtype, upcast
+from kernels.act_quant import quantize_act_e4m3
+from kernels.dispatch import use_triton
 from kernels.fp8_gemm import (
     BLOCK,
     PreparedScales,
     compute_dtype_of,
     fp8_linear,
+    fp8_linear_cpu,
     prepare_scales,
 )
 
@@ -51,6 +54,7 @@ class _Packed(nn.Module):
             "scale", torch.empty(blocks, dtype=torch.float8_e8m0fnu, device=device)
         )
         self._nan_free: tuple[int, int, bool] | None = None
+        self._raw: tuple[torch.Tensor, torch.Tensor] | None = None  # (weight, its int8 view)
         self._prepared: dict[tuple[int, int, torch.dtype], PreparedScales] = {}
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True):
@@ -58,7 +62,15 @@ class _Packed(nn.Module):
             out = fn(t)
             return out if out.dtype == t.dtype else t.to(device=out.device)
 
+        self._raw = None  # a view of the bytes before the move
         return super()._apply(same_dtype, recurse)
+
+    def raw_weight(self) -> torch.Tensor:
+        """``weight``'s bytes as int8 (what the CPU path decodes), the view kept."""
+        weight = self.weight
+        if self._raw is None or self._raw[0] is not weight:
+            self._raw = (weight, weight.view(torch.int8))
+        return self._raw[1]
 
     @property
     def resident_bytes(self) -> int:
@@ -96,9 +108,15 @@ class Fp8Linear(_Packed):
         self.in_features = in_features
         self.out_features = out_features
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``x W^T`` in ``out_dtype`` (default ``x.dtype``); fp32 accumulation either way."""
         return fp8_linear(
-            x, self.weight, self.scale, nan_free=self.nan_free(), prepared=self.prepared(x)
+            x,
+            self.raw_weight(),
+            self.scale,
+            nan_free=self.nan_free(),
+            prepared=self.prepared(x),
+            out_dtype=out_dtype,
         )
 
     def extra_repr(self) -> str:
@@ -130,25 +148,39 @@ class Fp8GroupedLinear(_Packed):
         o, blocks = self.out_per_group, self.out_per_group // BLOCK
         nan_free = self.nan_free()
         x32 = upcast(x)
+        cpu = not use_triton(x32, self.weight, self.scale) or x32.dtype == torch.float64
+        if cpu:
+            # Quantised once for every group (its blocks of 32 lie inside one group),
+            # each group's rows made contiguous for its GEMM.
+            groups = x32.reshape(-1, self.n_groups, x32.shape[-1])
+            values, scales = quantize_act_e4m3(groups.transpose(0, 1).contiguous())
+            values = values.view(self.n_groups, -1, values.shape[-1])
+            scales = scales.view(self.n_groups, -1, scales.shape[-1])
+        raw = self.raw_weight()
         outs = []
         for g in range(self.n_groups):
             scale = self.scale[g * blocks : (g + 1) * blocks]
-            outs.append(
-                fp8_linear(
-                    x32[..., g, :],
-                    self.weight[g * o : (g + 1) * o],
-                    scale,
-                    nan_free=nan_free,
-                    prepared=self.prepared(x32, scale),
+            weight = raw[g * o : (g + 1) * o]
+            prepared = self.prepared(x32, scale)
+            if cpu:
+                act = (values[g], scales[g])
+                out = fp8_linear_cpu(
+                    x32[..., g, :], weight, scale, nan_free=nan_free, prepared=prepared, act=act
                 )
-            )
+            else:
+                out = fp8_linear(
+                    x32[..., g, :], weight, scale, nan_free=nan_free, prepared=prepared
+                )
+            outs.append(out)
         return torch.stack(outs, dim=-2)
 
 
 def linear32(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
     """``x W^T`` in the compute dtype (fp32, float64 for float64 x), packed or not."""
     if isinstance(layer, Fp8Linear):
-        return layer(upcast(x))
+        # x as it is, so GEMMs that read the same tensor share its quantisation
+        # (kernels.act_memo); the result is in the compute dtype all the same.
+        return layer(x, compute_dtype(x))
     weight = layer.weight
     assert isinstance(weight, torch.Tensor)
     return F.linear(upcast(x), upcast(weight))

@@ -36,8 +36,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model.precision import compute_dtype, upcast
-from kernels.act_quant import quantize_act_fp8
-from kernels.moe_ops import grouped_mxfp4_matmul
+from kernels.act_memo import quantize_act_shared
+from kernels.act_quant import dequantize_act_fp8, quantize_act_e4m3, quantize_act_fp8
+from kernels.dispatch import use_triton
+from kernels.moe_ops import expert_chunks, grouped_mxfp4_matmul, grouped_mxfp4_matmul_cpu
 from kernels.weight_formats import BLOCK, quantize_mxfp4_weight
 
 PROJECTIONS = ("w1", "w2", "w3")
@@ -209,8 +211,7 @@ class RoutedExperts(nn.Module):
             return self._every_expert(x, weights, idx)
         shard = self.n_experts != self.total
         routing = group_by_expert(weights, idx, self.n_experts, self.first, shard)
-        rows = x[routing.token]
-        out = self._packed(rows, routing) if self.packed else self._unpacked(rows, routing)
+        out = self._packed(x, routing) if self.packed else self._unpacked(x[routing.token], routing)
         y = torch.zeros(x.shape, dtype=compute_dtype(x), device=x.device)
         return y.index_add_(0, routing.token, upcast(out, y))
 
@@ -253,15 +254,29 @@ class RoutedExperts(nn.Module):
             y = torch.where(routed, y + upcast(out, y), y)
         return y
 
-    def _packed(self, rows: torch.Tensor, routing: Routing) -> torch.Tensor:
-        """Three grouped FP4 GEMMs over the active experts, activations quantised before each."""
+    def _packed(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """Three grouped FP4 GEMMs over the active experts, activations quantised before each.
+
+        On the CPU path ``x`` is quantised once per token, before its rows are
+        gathered (the rule is per row, so a gathered row quantises alike), and
+        through ``kernels.act_memo``, so the shared expert's ``w1`` and ``w3``
+        reuse it.
+        """
         offsets = routing.offsets
-        counts = None if rows.is_cuda else routing.counts()
-        a = quantize_act_fp8(rows)
-        gate = grouped_mxfp4_matmul(*a, offsets, self.w1, self.w1_scale, counts)
-        up = grouped_mxfp4_matmul(*a, offsets, self.w3, self.w3_scale, counts)
+        if use_triton(x, self.w1):
+            rows = x[routing.token]
+            a = quantize_act_fp8(rows)
+            gate = grouped_mxfp4_matmul(*a, offsets, self.w1, self.w1_scale)
+            up = grouped_mxfp4_matmul(*a, offsets, self.w3, self.w3_scale)
+            h = routing.weight.float() * clamped_swiglu(gate, up, self.swiglu_limit)
+            return grouped_mxfp4_matmul(*quantize_act_fp8(h), offsets, self.w2, self.w2_scale)
+        chunks = expert_chunks(offsets, routing.counts(), self.dim * self.inter_dim, x.device)
+        a = dequantize_act_fp8(*quantize_act_shared(x))[routing.token]
+        gate = grouped_mxfp4_matmul_cpu(a, offsets, self.w1, self.w1_scale, chunks=chunks)
+        up = grouped_mxfp4_matmul_cpu(a, offsets, self.w3, self.w3_scale, chunks=chunks)
         h = routing.weight.float() * clamped_swiglu(gate, up, self.swiglu_limit)
-        return grouped_mxfp4_matmul(*quantize_act_fp8(h), offsets, self.w2, self.w2_scale, counts)
+        a = dequantize_act_fp8(*quantize_act_e4m3(h))
+        return grouped_mxfp4_matmul_cpu(a, offsets, self.w2, self.w2_scale, chunks=chunks)
 
 
 def expert_key(prefix: str, expert: int, projection: str, scale: bool = False) -> str:

@@ -16,6 +16,9 @@ def test_packed_bench_runs_both_paths(tmp_path: Path) -> None:
     (row,) = result["rows"]
     assert row["batch"] == 1 and row["packed_ms"] > 0 and row["dequantised_ms"] > 0
     assert row["ratio"] == row["packed_ms"] / row["dequantised_ms"]
+    assert row["packed_cpu_ms"] > 0 and row["cpu_ratio"] == (
+        row["packed_cpu_ms"] / row["dequantised_cpu_ms"]
+    )
     dense = result["dense_fp8"]
     assert dense["linears"] == 69
     # E4M3 bytes + one E8M0 per 32x32 block, against 4 bytes per element.

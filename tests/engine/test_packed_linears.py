@@ -346,3 +346,29 @@ def test_greedy_tokens_packed_equal_none_on_the_trained_demo_model() -> None:
     same = next((i for i, (a, b) in enumerate(zip(*tokens.values(), strict=True)) if a != b), 16)
     assert same >= 8, tokens
     assert len(tokens["auto"]) == 16
+
+
+@pytest.mark.parametrize("rows", [1, 20])  # both CPU schemes
+def test_grouped_linear_quantising_once_equals_one_linear_per_group(rows: int) -> None:
+    """Fp8GroupedLinear quantises its whole input once; each group's product is bitwise
+    that of ``fp8_linear`` on the group's slice (the blocks of 32 lie inside a group)."""
+    from kernels.fp8_gemm import fp8_linear
+
+    g = torch.Generator().manual_seed(rows)
+    layer = Fp8GroupedLinear(64, 32, 3)
+    raw = torch.randint(0, 256, layer.weight.shape, generator=g, dtype=torch.int32)
+    raw = torch.where((raw & 0x7F) == 0x7F, raw - 1, raw).to(torch.uint8)
+    layer.weight.copy_(raw.view(torch.float8_e4m3fn))
+    scale = torch.randint(115, 130, layer.scale.shape, generator=g, dtype=torch.int32)
+    layer.scale.copy_(scale.to(torch.uint8).view(torch.float8_e8m0fnu))
+    x = torch.randn(rows, 3, 64, generator=g) * 2.0 ** torch.randint(-3, 4, (rows, 3, 1))
+    want = torch.stack(
+        [
+            fp8_linear(
+                x[:, i].contiguous(), layer.weight[32 * i : 32 * (i + 1)], layer.scale[i : i + 1]
+            )
+            for i in range(3)
+        ],
+        dim=-2,
+    )
+    assert torch.equal(layer(x), want)

@@ -18,9 +18,16 @@ import pytest
 import torch
 from interpreter import INTERPRETED, interpreted, run_triton_tests_in_child
 
-from kernels import dispatch
+from kernels import act_memo, dispatch
 from kernels import fp8_gemm as fp8_gemm_module
-from kernels.fp8_gemm import fp8_linear, fp8_linear_cpu, fp8_linear_reference, tile_rows
+from kernels.act_quant import quantize_act_e4m3
+from kernels.fp8_gemm import (
+    fp8_linear,
+    fp8_linear_cpu,
+    fp8_linear_reference,
+    prepare_scales,
+    tile_rows,
+)
 from kernels.weight_formats import quantize_fp8_block
 
 
@@ -166,6 +173,40 @@ def test_leading_dims_are_kept(seed):
     got = fp8_linear(x.view(2, 3, 64), w, s)
     assert got.shape == (2, 3, 48)
     assert torch.equal(got.view(6, 48), fp8_linear(x, w, s))
+
+
+@pytest.mark.parametrize("t", [1, 5, 16])
+def test_kept_views_path_equals_the_general_tile_path_bitwise(seed, t):
+    """The one-tile act-side path (kept scratch views) does the general path's operations."""
+    g = torch.Generator().manual_seed(seed)
+    w, s = random_packed(g, 96, 64)
+    x = activations(g, t, 64, torch.float32)
+    xq, act_scales = quantize_act_e4m3(x)
+    p = prepare_scales(s, torch.float32)
+    codes, tile = torch.empty(96 * 64, dtype=torch.int16), torch.empty(96 * 64)
+    raw = w.view(torch.int8)
+    general = fp8_gemm_module._tile_product(
+        xq, act_scales, raw, codes, tile, p.values, p.folded, None, True
+    )
+    assert torch.equal(fp8_linear_cpu(x, w, s), general)
+    assert torch.equal(fp8_linear_cpu(x, raw, s, nan_free=True, prepared=p), general)
+
+
+def test_a_shared_input_and_out_dtype_give_the_same_bits(seed):
+    """The memoised quantisation of one input serves several GEMMs unchanged, and
+    ``out_dtype`` is the fp32 result of the upcast input."""
+    act_memo.clear()
+    g = torch.Generator().manual_seed(seed)
+    w1, s1 = random_packed(g, 64, 96)
+    w2, s2 = random_packed(g, 40, 96)
+    x = activations(g, 3, 96, torch.bfloat16)
+    a, b = fp8_linear(x, w1, s1), fp8_linear(x, w2, s2)  # the second reuses x's quantisation
+    assert len(act_memo._MEMO.entries) == 1
+    assert torch.equal(a, fp8_linear(x.clone(), w1, s1))
+    assert torch.equal(b, fp8_linear(x.clone(), w2, s2))
+    wide = fp8_linear(x, w1, s1, out_dtype=torch.float32)
+    assert wide.dtype == torch.float32
+    assert torch.equal(wide, fp8_linear(x.float(), w1, s1))
 
 
 # ----------------------------------------------------------------- Triton (interpreted)

@@ -17,7 +17,9 @@ from kernels import moe_ops as moe_ops_module
 from kernels.act_quant import dequantize_act_fp8, quantize_act_fp8
 from kernels.moe_ops import (
     dequantize_expert_tile,
+    expert_chunks,
     grouped_mxfp4_matmul,
+    grouped_mxfp4_matmul_cpu,
     grouped_mxfp4_matmul_float64,
     grouped_mxfp4_matmul_reference,
 )
@@ -89,6 +91,30 @@ def test_reference_equals_float64_oracle_to_fp32_rounding(seed, counts):
     # The host counts give the same loop.
     again = grouped_mxfp4_matmul_reference(values, scales, offsets, q, s, counts)
     assert torch.equal(again, got)
+
+
+@pytest.mark.parametrize("per_chunk", [1, 2, 100])
+def test_chunked_decode_equals_one_expert_at_a_time_bitwise(seed, per_chunk, monkeypatch):
+    """Decoding the active experts together (in chunks of 1, 2 or all) gives the bits of
+    the loop that decodes one expert's tile at a time and multiplies its rows."""
+    g = torch.Generator().manual_seed(seed)
+    counts = [2, 0, 3, 1, 0, 4]
+    x, offsets, q, s = grouped_case(g, counts, n=64, k=96)
+    a = dequantize_act_fp8(*quantize_act_fp8(x))
+    want = torch.empty(x.shape[0], 64)
+    tile = torch.empty(64, 96)
+    bounds = offsets.tolist()
+    for e in range(len(counts)):
+        if counts[e]:
+            dequantize_expert_tile(q[e], s[e], tile)
+            want[bounds[e] : bounds[e + 1]] = a[bounds[e] : bounds[e + 1]] @ tile.T
+    monkeypatch.setattr(moe_ops_module, "TILE_ELEMENTS", per_chunk * 64 * 96)
+    chunks = expert_chunks(offsets, counts, 64 * 96, q.device)
+    assert [len(r) for _, r in chunks.chunks] == [
+        min(per_chunk, 4 - i) for i in range(0, 4, per_chunk)
+    ]
+    assert torch.equal(grouped_mxfp4_matmul_cpu(a, offsets, q, s, counts), want)
+    assert torch.equal(grouped_mxfp4_matmul_cpu(a, offsets, q, s, chunks=chunks), want)
 
 
 def test_oracle_quantises_the_activation_for_real(seed):

@@ -225,6 +225,36 @@ def test_packed_moe_matches_the_unpacked_one_on_its_served_weights():
     assert 1e-4 < err < 2**-4, err  # real quantisation, within E4M3's step
 
 
+def test_packed_experts_quantising_tokens_before_the_gather_give_the_same_bits():
+    """The CPU path quantises each token once and gathers its rows (sharing the result
+    with the shared expert): bitwise the step that gathers the rows and quantises
+    each (token, slot) row, as the Triton path does."""
+    from engine.model.routed_experts import clamped_swiglu, group_by_expert
+    from kernels.act_quant import quantize_act_fp8
+    from kernels.moe_ops import grouped_mxfp4_matmul_reference
+
+    config = ModelConfig.tiny()
+    torch.manual_seed(3)
+    moe = MoE(config)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0.0, 0.1)
+    packed = moe.experts.packed_copy()
+    x = torch.randn(7, config.hidden_size)
+    with torch.no_grad():
+        weights, idx = moe.gate(x)
+        got = packed(x, weights, idx)
+        routing = group_by_expert(weights, idx, packed.n_experts)
+        off = routing.offsets
+        a = quantize_act_fp8(x[routing.token])
+        gate = grouped_mxfp4_matmul_reference(*a, off, packed.w1, packed.w1_scale)
+        up = grouped_mxfp4_matmul_reference(*a, off, packed.w3, packed.w3_scale)
+        h = routing.weight * clamped_swiglu(gate, up, packed.swiglu_limit)
+        out = grouped_mxfp4_matmul_reference(*quantize_act_fp8(h), off, packed.w2, packed.w2_scale)
+        want = torch.zeros_like(x).index_add_(0, routing.token, out)
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("packed", [False, True], ids=["unpacked", "packed"])
 def test_expert_shards_sum_to_the_whole_layer(packed):
     """EP's local filter: the shards [0, 3), [3, 8) of 8 experts, each computing only
