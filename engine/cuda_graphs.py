@@ -46,6 +46,7 @@ from engine.model.precision import upcast
 from engine.model.rope import clear_cos_sin_cache
 from engine.model.routed_experts import static_expert_shapes
 from engine.paged_backend import PagedKV
+from kernels import act_memo, cpu_native
 
 logger = logging.getLogger(__name__)
 
@@ -160,6 +161,14 @@ class DecodeGraphs:
         attn = self.model.block(0).attn
         shape = (rows, attn.n_heads, self.config.head_dim)
         self.slots.put("o", torch.zeros(shape, dtype=dtype, device=device))
+        # A captured GEMM quantises its own replay's input (no memo entry from the
+        # warm-up), and a piece holds tensor ops only (no C call on raw pointers).
+        with act_memo.suspended(), cpu_native.suspended():
+            self._capture_buckets()
+        self.capture_seconds = time.perf_counter() - t0
+        return self.capture_seconds
+
+    def _capture_buckets(self) -> None:
         for b in sorted(self.sizes, reverse=True):
             graphs = []
             for piece in range(len(self.model.layers) + 1):
@@ -170,8 +179,6 @@ class DecodeGraphs:
                 graphs.append(self.backend.capture(fn, self._static_memory()))
                 clear_cos_sin_cache()
             self.graphs[b] = graphs
-        self.capture_seconds = time.perf_counter() - t0
-        return self.capture_seconds
 
     def _static_memory(self) -> list[torch.Tensor]:
         """What a piece may read besides its own results and the model's tensors: the

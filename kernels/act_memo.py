@@ -13,7 +13,11 @@ computed once and reused while the tensor lives unchanged:
 * held through a weak reference whose callback drops the entry when the
   tensor is freed, so the memo never keeps an activation's memory alive;
 * one small table per thread; inference-mode tensors (no version counter)
-  and tensors that require a gradient are not memoised.
+  and tensors that require a gradient are not memoised;
+* off while a CUDA graph is warmed up or captured (``suspended``): a graph's
+  static buffers are the same tensors at every replay and a replay writes them
+  without bumping their version, so an entry made in the warm-up would be read
+  stale by the captured GEMM instead of quantising the replay's values.
 
 A lookup costs a dict access and a weakref; a quantisation some ten tensor ops.
 """
@@ -22,7 +26,8 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -37,6 +42,7 @@ _Entry = tuple[weakref.ref, int, torch.Size, tuple[torch.Tensor, torch.Tensor]]
 class _Memo(threading.local):
     def __init__(self) -> None:
         self.entries: dict[int, _Entry] = {}
+        self.suspended = 0
 
 
 _MEMO = _Memo()
@@ -57,7 +63,7 @@ def quantize_act_shared(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     Returns (E4M3 values as float32 ``[rows, K]``, scales ``[rows, K / 32]``); callers
     must not write into them (they are shared).
     """
-    if x.is_inference() or (x.requires_grad and torch.is_grad_enabled()):
+    if _MEMO.suspended or x.is_inference() or (x.requires_grad and torch.is_grad_enabled()):
         return quantize_act_e4m3(x.reshape(-1, x.shape[-1]))
     entries = _MEMO.entries
     key = id(x)
@@ -70,6 +76,19 @@ def quantize_act_shared(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         del entries[next(iter(entries))]  # the oldest
     entries[key] = (weakref.ref(x, _forget(entries, key)), version, x.shape, result)
     return result
+
+
+@contextmanager
+def suspended() -> Iterator[None]:
+    """No memo inside (this thread): every call quantises, so a captured graph holds the
+    quantisation of its own inputs (engine/cuda_graphs.py)."""
+    _MEMO.suspended += 1
+    _MEMO.entries.clear()
+    try:
+        yield
+    finally:
+        _MEMO.suspended -= 1
+        _MEMO.entries.clear()
 
 
 def clear() -> None:

@@ -19,6 +19,7 @@ of the source and flags. No compiler, a failed build, or ``FLASHSERVE_CPU_KERNEL
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -26,6 +27,8 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 ENV_VAR = "FLASHSERVE_CPU_KERNELS"
@@ -93,8 +96,25 @@ void fs_index_keys_f32(const uint8_t *data, long page_stride, const uint8_t *sca
 """
 
 
+_SUSPENDED = threading.local()
+
+
 def enabled() -> bool:
+    if getattr(_SUSPENDED, "depth", 0):
+        return False
     return os.environ.get(ENV_VAR, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+@contextlib.contextmanager
+def suspended() -> Iterator[None]:
+    """No C calls inside (this thread): the eager tensor ops run instead. A graph capture
+    records tensor operations; a C call on raw pointers would be missing from it, so a
+    captured piece must not make one (engine/cuda_graphs.py)."""
+    _SUSPENDED.depth = getattr(_SUSPENDED, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _SUSPENDED.depth -= 1
 
 
 def _cache_dir() -> Path:

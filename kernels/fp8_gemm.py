@@ -177,11 +177,9 @@ def _int16_constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     Python int wraps the scalar on every call, which costs more than the op."""
     pair = _CONSTANTS.get(device)
     if pair is None:
-        pair = tuple(
-            torch.tensor(v, dtype=torch.int16, device=device)
-            for v in (1 << _FP16_SHIFT, _FP16_MASK)
-        )
-        _CONSTANTS[device] = pair
+        shift = torch.tensor(1 << _FP16_SHIFT, dtype=torch.int16, device=device)
+        mask = torch.tensor(_FP16_MASK, dtype=torch.int16, device=device)
+        pair = _CONSTANTS[device] = (shift, mask)
     return pair
 
 

@@ -271,12 +271,12 @@ class RoutedExperts(nn.Module):
             h = routing.weight.float() * clamped_swiglu(gate, up, self.swiglu_limit)
             return grouped_mxfp4_matmul(*quantize_act_fp8(h), offsets, self.w2, self.w2_scale)
         chunks = expert_chunks(offsets, routing.counts(), self.dim * self.inter_dim, x.device)
-        a = dequantize_act_fp8(*quantize_act_shared(x))[routing.token]
-        gate = grouped_mxfp4_matmul_cpu(a, offsets, self.w1, self.w1_scale, chunks=chunks)
-        up = grouped_mxfp4_matmul_cpu(a, offsets, self.w3, self.w3_scale, chunks=chunks)
+        xa = dequantize_act_fp8(*quantize_act_shared(x))[routing.token]
+        gate = grouped_mxfp4_matmul_cpu(xa, offsets, self.w1, self.w1_scale, chunks=chunks)
+        up = grouped_mxfp4_matmul_cpu(xa, offsets, self.w3, self.w3_scale, chunks=chunks)
         h = routing.weight.float() * clamped_swiglu(gate, up, self.swiglu_limit)
-        a = dequantize_act_fp8(*quantize_act_e4m3(h))
-        return grouped_mxfp4_matmul_cpu(a, offsets, self.w2, self.w2_scale, chunks=chunks)
+        ha = dequantize_act_fp8(*quantize_act_e4m3(h))
+        return grouped_mxfp4_matmul_cpu(ha, offsets, self.w2, self.w2_scale, chunks=chunks)
 
 
 def expert_key(prefix: str, expert: int, projection: str, scale: bool = False) -> str:

@@ -54,3 +54,18 @@ def test_rows_of_a_3d_input_and_inference_tensors() -> None:
         y = torch.randn(4, 32)
         assert _equal(quantize_act_shared(y), quantize_act_e4m3(y))  # not memoised
     assert len(act_memo._MEMO.entries) == 1
+
+
+def test_suspended_quantises_every_call() -> None:
+    """Inside ``suspended`` (a CUDA graph's warm-up and capture) nothing is reused: a
+    captured GEMM must quantise its own input at every replay."""
+    act_memo.clear()
+    x = torch.randn(2, 64)
+    outside = quantize_act_shared(x)
+    with act_memo.suspended():
+        inside = quantize_act_shared(x)
+        assert inside is not outside and quantize_act_shared(x) is not inside
+        assert _equal(inside, quantize_act_e4m3(x))
+    after = quantize_act_shared(x)
+    assert after is not outside  # the entries made before were dropped
+    assert quantize_act_shared(x) is after  # and the memo works again

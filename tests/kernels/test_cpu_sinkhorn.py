@@ -82,3 +82,16 @@ def test_missing_compiler_leaves_the_eager_passes(monkeypatch, tmp_path) -> None
     monkeypatch.setenv("CC", "no-such-compiler")
     monkeypatch.setattr(cpu_native.shutil, "which", lambda name: None)
     assert cpu_native.build() is None
+
+
+@needs_c
+def test_suspended_runs_the_eager_passes() -> None:
+    """A graph capture records tensor ops: inside ``cpu_native.suspended`` no C call is
+    made (the C passes would be missing from the recording), and the result is equal."""
+    c = torch.softmax(torch.randn(3, 4, 4, generator=torch.Generator().manual_seed(1)), -1)
+    assert cpu_sinkhorn.usable(c)
+    with cpu_native.suspended():
+        assert not cpu_sinkhorn.usable(c) and not cpu_native.available()
+        inside = sinkhorn(torch.log(c), 20, 1e-6)
+    assert cpu_sinkhorn.usable(c)
+    assert torch.equal(inside, sinkhorn(torch.log(c), 20, 1e-6))
