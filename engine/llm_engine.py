@@ -392,7 +392,7 @@ class LLMEngine:
             [c.generator for c in choices],
         )
         tokens = out.token_ids.tolist()
-        chosen = out.logprobs.tolist()
+        chosen = out.logprobs.tolist() if out.logprobs is not None else []
         now = self._clock()
         failures = {seqs[row].request_id: exc for row, exc in out.errors.items()}
         for row, (choice, p) in enumerate(zip(choices, params, strict=True)):

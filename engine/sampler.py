@@ -7,9 +7,8 @@ Stages, in order (docs/design/engine.md, "Sampling"):
 2. penalties: repetition (prompt + output), frequency, presence (output only);
 3. logprobs are read here, from ``log_softmax`` of these processed logits (the
    one distribution both the chosen token's logprob and ``top_logprobs`` come
-   from; tokens it gives no probability are never listed); a batch where no
-   row asks for logprobs gets its chosen tokens' values as logit minus
-   logsumexp instead, without materialising the distribution;
+   from; tokens it gives no probability are never listed), and only when a
+   row asks for logprobs: at batch 32 the [32, 129280] pass is ~4% of a CPU step;
 4. greedy rows take the argmax; the others go through temperature, top-k,
    top-p, min-p, and an exponential race whose noise comes from the sequence's
    own generator.
@@ -41,7 +40,9 @@ class SeqHistory:
 @dataclass(slots=True)
 class SamplerOutput:
     token_ids: torch.Tensor  # int64 [B]
-    logprobs: torch.Tensor  # fp32 [B], of the chosen token after penalties, before truncation
+    # fp32 [B], of the chosen token after penalties, before truncation; None when no
+    # row asks for logprobs (the [B, V] distribution is then never computed).
+    logprobs: torch.Tensor | None
     top_logprobs: list[list[tuple[int, float]]] | None  # per row, best first; None if no row asks
     # Rows whose mask provider failed: their token is meaningless, their request must end.
     errors: dict[int, BaseException] = field(default_factory=dict)
@@ -314,9 +315,8 @@ class Sampler:
         errors = apply_token_masks(logits, params)
         apply_min_tokens(logits, params, histories, self.eos_token_id)
         apply_penalties(logits, params, histories)
-        # The whole distribution only when a row reports logprobs (its token's value and
-        # its top_logprobs then come from the same tensor); otherwise the chosen token's
-        # logprob is its logit minus the row's logsumexp, one read of the row, no write.
+        # The distribution only when a row reports logprobs (its token's value and its
+        # top_logprobs then come from the same tensor).
         wants = any(p.logprobs is not None for p in params)
         logprobs = logits.log_softmax(dim=1) if wants else None
 
@@ -337,9 +337,7 @@ class Sampler:
             token_ids[idx] = exponential_race(kept.softmax(dim=1), [generators[r] for r in sampled])
 
         if logprobs is None:
-            picked = logits.gather(1, token_ids.unsqueeze(1)).squeeze(1)
-            chosen = picked - logits.logsumexp(dim=1)
-            return SamplerOutput(token_ids, chosen, None, errors)
+            return SamplerOutput(token_ids, None, None, errors)
         chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
         return SamplerOutput(token_ids, chosen, _top_logprobs(logprobs, params), errors)
 

@@ -258,7 +258,7 @@ def test_mask_is_applied_after_logit_bias() -> None:
 def test_sampler_never_picks_a_masked_token_and_does_not_accept() -> None:
     vocab = 16
     provider = FixedMask(_bool_mask(vocab, [3, 11]))
-    params = SamplingParams(logit_bias={5: 50.0}, mask_provider=provider)
+    params = SamplingParams(logit_bias={5: 50.0}, mask_provider=provider, logprobs=0)
     logits = torch.randn(200, vocab, generator=torch.Generator().manual_seed(0))
     torch.manual_seed(0)
     out = Sampler().sample(logits, [params] * 200, _empty(200), [None] * 200)
@@ -266,9 +266,8 @@ def test_sampler_never_picks_a_masked_token_and_does_not_accept() -> None:
     # Logprobs are over the allowed tokens only.
     expected = logits[:, [3, 11]].double().log_softmax(dim=1)
     col = (out.token_ids == 11).long()
-    # atol: with no row asking for logprobs the value is logit - logsumexp in fp32.
-    got = out.logprobs.double()
-    assert torch.allclose(got, expected.gather(1, col[:, None]).squeeze(1), rtol=0, atol=1e-6)
+    assert out.logprobs is not None
+    assert torch.allclose(out.logprobs.double(), expected.gather(1, col[:, None]).squeeze(1))
     assert provider.accepted == []  # accepting is the engine's job
 
 
@@ -317,7 +316,11 @@ def test_top_logprobs_under_a_mask_list_only_allowed_tokens() -> None:
 
 def test_top_logprobs_none_when_nobody_asks() -> None:
     out = Sampler().sample(torch.zeros(2, 4), [SamplingParams()] * 2, _empty(2), [None] * 2)
-    assert out.top_logprobs is None
+    assert out.top_logprobs is None and out.logprobs is None
+    # One row asking gives every row its chosen token's logprob.
+    params = [SamplingParams(), SamplingParams(logprobs=0)]
+    out = Sampler().sample(torch.zeros(2, 4), params, _empty(2), [None] * 2)
+    assert out.logprobs is not None
     assert torch.allclose(out.logprobs, torch.full((2,), math.log(0.25)))
 
 
@@ -421,22 +424,24 @@ def test_empirical_frequencies_after_top_p() -> None:
     assert float(((counts - want) ** 2 / want).sum()) < 16.3  # 3 degrees of freedom, p = 0.001
 
 
-def test_chosen_logprobs_without_a_logprobs_request_equal_the_log_softmax() -> None:
-    """The batch that asks for no logprobs takes its chosen values from logsumexp; they
-    equal the processed distribution's log-softmax (float64 oracle), greedy and sampled
-    rows alike, and the caller's logits are never written."""
+def test_a_batch_without_logprobs_samples_alike_and_leaves_the_logits_alone() -> None:
+    """No row asks for logprobs: no distribution is computed, the greedy rows still take
+    the argmax, the sampled rows draw the same tokens as with logprobs asked (the
+    distribution is read-only), and the caller's logits are never written, also when a
+    row's penalty edits its copy in place."""
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(6, 50, generator=gen) * 4
     before = logits.clone()
     params = [SamplingParams(temperature=0.0)] * 3 + [SamplingParams(temperature=0.7, top_k=5)] * 3
-    torch.manual_seed(1)
-    out = Sampler().sample(logits, params, _empty(6), [None] * 6)
-    assert out.top_logprobs is None
-    expected = logits.double().log_softmax(dim=1).gather(1, out.token_ids[:, None]).squeeze(1)
-    assert torch.allclose(out.logprobs.double(), expected, atol=1e-6)
+    gens = [None] * 3 + [torch.Generator().manual_seed(i) for i in range(3)]
+    out = Sampler().sample(logits, params, _empty(6), gens)
+    assert out.top_logprobs is None and out.logprobs is None
     assert out.token_ids[:3].tolist() == logits[:3].argmax(dim=1).tolist()
+    asked = [SamplingParams(temperature=p.temperature, top_k=p.top_k, logprobs=0) for p in params]
+    gens = [None] * 3 + [torch.Generator().manual_seed(i) for i in range(3)]
+    again = Sampler().sample(logits, asked, _empty(6), gens)
+    assert again.token_ids.tolist() == out.token_ids.tolist()
     assert torch.equal(logits, before)
-    # A row that edits its logits in place (a penalty) still leaves the caller's alone.
     hist = [SeqHistory([int(t) for t in out.token_ids[:1]], []), *_empty(5)]
     edited = [SamplingParams(repetition_penalty=1.5), *params[1:]]
     Sampler().sample(logits, edited, hist, [None] * 6)
