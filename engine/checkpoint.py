@@ -33,7 +33,7 @@ from engine.model.model import DeepseekV41
 from engine.model.parallel import SINGLE, Parallel, expert_of, tp_split_dim
 from engine.model.routed_experts import SCALE, RoutedExperts, packed_experts
 from engine.tokenizer import load_tokenizer
-from engine.weight_stream import TensorRead, stream_into
+from engine.weight_stream import Convert, TensorRead, stream_into
 from kernels.weight_formats import (
     dequantize_fp8_block,
     dequantize_fp8_rows,
@@ -397,13 +397,13 @@ def empty_model(
     stores as FP8 blocks (``Fp8Linear``), as a release-format checkpoint loads;
     ``"none"``: everything unpacked in ``dtype``.
     ``parallel``: only this rank's TP and EP shares (engine/model/parallel.py);
-    with TP the linears TP splits stay unpacked (``_tp_unpacked``).
+    a TP-split linear is packed as this rank's shard (``check_tp_packed``).
     """
     check_quantization(quantization)
     model = _build(config, dtype, device, engram_tables_on_meta, quantization == "auto", parallel)
     if quantization == "auto":
         names = [n for n in model.state_dict() if weight_format(n) is WeightFormat.FP8_BLOCK]
-        pack_linears(model, _tp_unpacked(names, parallel))
+        check_tp_packed(model, pack_linears(model, names), parallel)
     return model
 
 
@@ -618,8 +618,10 @@ def load_checkpoint(
     dequantises every weight at load into ``dtype``.
     ``parallel``: load this rank's shares only (docs/design/parallelism.md): its
     EP experts (the others' tensors are not read) and its TP slices of the split
-    tensors (rows read as a slice; column splits read whole rows, then cut; these
-    load dequantised, packed FP8 TP shards are not done yet)."""
+    tensors (rows read as a slice; column splits read whole rows, then cut). A
+    packed FP8 weight's shard keeps its stored bytes and the matching 32 x 32
+    blocks of its scale grid (``_tp_packed_reads``); a shard that is not whole
+    blocks along the split dimension is refused (``check_tp_packed``)."""
     check_quantization(quantization)
     path = Path(path)
     config = ModelConfig.from_json(path / "config.json")
@@ -649,7 +651,9 @@ def load_checkpoint(
     if quantization == "auto":
         with _Shards(files) as shards:
             names = packable_weights(list(model.state_dict(keep_vars=True)), files, shards)
-        packed_linears = set(pack_linears(model, _tp_unpacked(names, parallel)))
+        swapped = pack_linears(model, names)
+        check_tp_packed(model, swapped, parallel)
+        packed_linears = set(swapped)
     targets = model.state_dict(keep_vars=True)
     packed = packed_expert_targets(model, targets)
     tp_shards = tp_shard_targets(targets, parallel)
@@ -671,6 +675,10 @@ def load_checkpoint(
                 continue
             if entry.name in packed:
                 reads.extend(_packed_expert_reads(entry, packed[entry.name], shards))
+                continue
+            if entry.name in tp_shards and entry.name in packed_linears:
+                scale = targets[scale_name(entry.name)]
+                reads.extend(_tp_packed_reads(entry, tp_shards[entry.name], scale, shards))
                 continue
             if entry.name in tp_shards:
                 reads.append(_tp_shard_read(entry, tp_shards[entry.name], shards))
@@ -726,13 +734,68 @@ def tp_shard_targets(targets: dict[str, torch.Tensor], parallel: Parallel) -> di
     return out
 
 
-def _tp_unpacked(names: list[str], parallel: Parallel) -> list[str]:
-    """``names`` less the tensors TP splits, when it does: their shards are sliced
-    from the dequantised tensor (a packed FP8 shard on 32-row/column blocks with
-    its scales is not done yet)."""
+def check_tp_packed(model: nn.Module, packed: list[str], parallel: Parallel) -> None:
+    """Refuse a packed TP-split weight whose shard is not whole 32 x 32 blocks.
+
+    A shard keeps the stored bytes and its blocks' scales, so this rank's part
+    along the split dimension (the module as built for this rank) must be a
+    multiple of the block; with the official config and T <= 8 every part is.
+    """
     if parallel.tp_size == 1:
-        return names
-    return [n for n in names if tp_split_dim(n) is None]
+        return
+    for name in packed:
+        dim = tp_split_dim(name)
+        if dim is None:
+            continue
+        weight = model.get_submodule(name.removesuffix(".weight")).weight
+        assert isinstance(weight, torch.Tensor), name
+        part = weight.shape[dim]
+        if part % QUANT_BLOCK:
+            what = "rows" if dim == 0 else "columns"
+            raise ValueError(
+                f"{name}: TP rank's part is {part} {what}, not a multiple of the "
+                f"{QUANT_BLOCK}-wide FP8 block, so its packed shard cannot keep the stored "
+                f"bytes and scales (TP size {parallel.tp_size}); load with "
+                f'quantization="none" or another TP size'
+            )
+
+
+def _tp_packed_reads(
+    entry: _Entry, shard: _TPShard, scale: torch.Tensor, shards: _Shards
+) -> list[TensorRead]:
+    """A packed shard, byte for byte: the E4M3 weight's ``[start, stop)`` along
+    ``dim`` and the same block range ``[start / 32, stop / 32)`` of its E8M0 grid.
+
+    Rows are read as slices; a column split reads whole rows and keeps its
+    columns (as the dequantised path does). ``check_tp_packed`` made both ends
+    block boundaries, so the blocks a shard holds are exactly its own.
+    """
+    if entry.quantised is not WeightFormat.FP8_BLOCK:
+        raise CheckpointError(entry.name, "packed TP shard of a weight not stored as FP8 blocks")
+    reads = []
+    for stored, target, block in (
+        (entry.name, shard.target, 1),
+        (scale_name(entry.name), scale, QUANT_BLOCK),
+    ):
+        dtype, shape = shards.header(stored)
+        if dtype == "U8":  # raw E8M0 bytes: the buffer's byte view takes them
+            target = target.view(torch.uint8)
+        start, stop = shard.start // block, shard.stop // block
+        itemsize = _DTYPE_BYTES.get(dtype, 1)
+        if shard.dim == 0:
+            nbytes = (stop - start) * math.prod(shape[1:]) * itemsize
+            reads.append(TensorRead(stored, target, _stored_bytes, nbytes, row_offset=start))
+            continue
+        nbytes = math.prod(shape) * itemsize
+        reads.append(TensorRead(stored, target, _stored_columns(start, stop), nbytes))
+    return reads
+
+
+def _stored_columns(start: int, stop: int) -> Convert:
+    def columns(weight: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+        return weight[:, start:stop]
+
+    return columns
 
 
 def _tp_shard_read(entry: _Entry, shard: _TPShard, shards: _Shards) -> TensorRead:

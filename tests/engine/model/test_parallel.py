@@ -11,13 +11,19 @@ forwards).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from parallel_helpers import Job, forward_logits, routed_expert_bytes, run_ranks
 from safetensors.torch import load_file, save_file
 
-from engine.checkpoint import load_checkpoint
-from engine.checkpoint_writer import make_tiny
+from engine import weight_stream
+from engine.checkpoint import empty_model, load_checkpoint
+from engine.checkpoint_writer import make_tiny, save_checkpoint
+from engine.memory_plan import weight_bytes
+from engine.model.config import ModelConfig
+from engine.model.model import DeepseekV41
 from engine.model.parallel import SINGLE, Parallel, expert_of, expert_range
 
 pytestmark = pytest.mark.slow
@@ -28,6 +34,7 @@ pytestmark = pytest.mark.slow
 PROMPTS = ((3, 17, 99, 5, 8), tuple(range(100, 112)), tuple(range(7, 16)), tuple(range(200, 219)))
 TP2, EP2, TP2_EP2 = (2, False, "none"), (1, True, "none"), (2, True, "none")
 EP2_PACKED = (1, True, "auto")  # the routed experts kept as their MXFP4 bytes
+TP2_PACKED = (2, False, "auto")  # every FP8 linear packed, the split ones as packed shards
 ATOL = 1e-10
 
 
@@ -56,7 +63,7 @@ def single_packed(checkpoint):
 
 @pytest.fixture(scope="module")
 def ranks(checkpoint):
-    return run_ranks(Job(checkpoint, (TP2, EP2, TP2_EP2, EP2_PACKED), PROMPTS))
+    return run_ranks(Job(checkpoint, (TP2, EP2, TP2_EP2, EP2_PACKED, TP2_PACKED), PROMPTS))
 
 
 @pytest.mark.parametrize("topology", [TP2, EP2, TP2_EP2], ids=["tp2", "ep2-dp2", "tp2-ep2"])
@@ -162,15 +169,81 @@ def test_single_is_the_identity():
         Parallel(ep_dispatch=True)
 
 
-def test_tp_keeps_its_split_linears_unpacked_and_packs_the_rest(checkpoint):
-    """quantization="auto" under TP: the split linears load dequantised (their
-    slices), the replicated FP8 linears keep the checkpoint's bytes."""
+SPLIT_LINEARS = ("attn.wq_b", "attn.wo_a", "attn.wo_b", "ffn.shared_experts.w1")
+SPLIT_LINEARS += ("ffn.shared_experts.w2", "ffn.shared_experts.w3")
+
+
+def test_tp_packed_shards_keep_the_stored_fp8_bytes(checkpoint, monkeypatch):
+    """quantization="auto" under TP: each split linear is packed on each rank, its
+    E4M3 bytes and E8M0 scales exactly the stored tensors' slices along the split
+    dimension (rows, or columns for wo_b and w2; scales per 32-block), so a rank
+    holds half the split linears' stored bytes; replicated FP8 linears whole.
+    Rank 1 streams in slices of 8192 elements (every shard read in pieces)."""
     from engine.model.fp8_linear import packed_modules
 
-    _, rank0 = load_checkpoint(checkpoint, parallel=Parallel(tp_rank=0, tp_size=2))
-    packed = packed_modules(rank0)
-    assert "layers.2.attn.wq_a" in packed and "layers.2.attn.wkv" in packed
-    for name in ("attn.wq_b", "attn.wo_a", "attn.wo_b", "ffn.shared_experts.w1"):
-        assert "layers.2." + name not in packed
-    heads = rank0.config.num_attention_heads // 2 * rank0.config.head_dim
-    assert rank0.state_dict()["layers.2.attn.wq_b.weight"].shape[0] == heads
+    stored = load_file(checkpoint / "model.safetensors")
+    n_layers = ModelConfig.tiny().num_hidden_layers
+    split = [f"layers.{l}.{n}" for l in range(n_layers) for n in SPLIT_LINEARS]
+    whole_bytes = sum(stored[f"{n}.{p}"].nbytes for n in split for p in ("weight", "scale"))
+    plan = weight_bytes(ModelConfig.tiny(), tensor_parallel_size=2).replicated
+    for rank in (0, 1):
+        if rank == 1:
+            monkeypatch.setattr(weight_stream, "CHUNK_ELEMENTS", 8192)
+        _, model = load_checkpoint(checkpoint, parallel=Parallel(tp_rank=rank, tp_size=2))
+        packed = packed_modules(model)
+        assert torch.equal(
+            packed["layers.2.attn.wkv"].weight.view(torch.uint8),
+            stored["layers.2.attn.wkv.weight"].view(torch.uint8),
+        )
+        for name in split:
+            module = packed[name]
+            dim = 1 if name.endswith(("wo_b", "w2")) else 0
+            for got, want in (
+                (module.weight, stored[name + ".weight"]),
+                (module.scale, stored[name + ".scale"]),
+            ):
+                part = want.shape[dim] // 2
+                want = want.narrow(dim, rank * part, part)
+                assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), name
+        assert sum(packed[n].resident_bytes for n in split) * 2 == whole_bytes
+        # The memory plan's per-rank TP-split FP8 bytes are these packed shards.
+        assert sum(packed[n].weight.nbytes for n in split) == plan["dense_fp8_tp"]
+
+
+def test_packed_tp_shards_give_the_logits_of_one_packed_process(ranks, single_packed):
+    """TP2 over packed shards vs one process over the same packed bytes, float64.
+
+    A row shard (wq_b, wo_a, w1, w3) decodes its own 32-row blocks and quantises
+    the same activations, so its rows are the full GEMM's rows. A column shard
+    (wo_b, w2) starts on a 32-block, so each rank quantises exactly the
+    activation blocks one process does, and its output is a partial sum over its
+    K blocks; the all-reduce adds the two partials in another order than one
+    GEMM. Every product is E4M3 x E4M3 x two powers of two (8 significant
+    bits), so within a block the float64 sums are exact and only sums across
+    blocks whose scales lie far apart round: at most a few float64 ulps per
+    layer (measured: bitwise equal on the tiny model). An E4M3 rounding of a
+    later layer's activations would flip only for a value within those ulps of
+    a rounding boundary, so the unpacked TP test's bound holds.
+    """
+    _, want = single_packed
+    results = ranks[TP2_PACKED]
+    assert sorted(i for r in results for i in r.logits) == sorted(list(range(len(PROMPTS))) * 2)
+    for r in results:
+        for i, got in r.logits.items():
+            torch.testing.assert_close(torch.from_numpy(got), want[i], atol=ATOL, rtol=0)
+
+
+def test_a_packed_tp_shard_off_the_fp8_blocks_is_refused(tmp_path):
+    """moe_intermediate_size 96 on TP2: the shared expert's rank part is 48 rows,
+    not whole 32-row blocks; the packed load (and the empty model) refuse it,
+    naming the tensor."""
+    config = dataclasses.replace(ModelConfig.tiny(), moe_intermediate_size=96)
+    model = DeepseekV41(config)
+    model.init_weights(torch.Generator().manual_seed(0))
+    save_checkpoint(model, config, tmp_path)
+    tp = Parallel(tp_rank=0, tp_size=2)
+    message = r"layers\.0\.ffn\.shared_experts\.w1\.weight: TP rank's part is 48 rows"
+    with pytest.raises(ValueError, match=message):
+        load_checkpoint(tmp_path, parallel=tp)
+    with pytest.raises(ValueError, match=message):
+        empty_model(config, device="meta", quantization="auto", parallel=tp)
