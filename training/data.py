@@ -29,6 +29,12 @@ class SequenceSampler:
     (tool_data.py) packed and cut so that the sequence ends at the end of one,
     so the call after a long tool block is always seen; otherwise it is a
     window of one play's text, plays weighted by length. Deterministic for a seed.
+
+    ``served_ends`` makes the sequences look like what the server sends and
+    expects back: a play window starts with BOS (as every completion prompt
+    does), and chat is cut so that the sequence ends with a reply's EOS, so the
+    end of a reply is always seen (the default, a cut anywhere, is what the
+    committed demo was trained on).
     """
 
     def __init__(
@@ -39,11 +45,13 @@ class SequenceSampler:
         chat_fraction: float,
         seed: int,
         tool_fraction: float = 0.0,
+        served_ends: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
         self.seq_len = seq_len
         self.chat_fraction = chat_fraction
         self.tool_fraction = tool_fraction
+        self.served_ends = served_ends
         self.rng = random.Random(seed)
         self.texts = [encode_play(tokenizer, p) for p in plays]
         self.speeches = [speeches(p.text) for p in plays]
@@ -58,6 +66,9 @@ class SequenceSampler:
         if draw < self.chat_fraction + self.tool_fraction:
             return self._tool_calls()
         (ids,) = self.rng.choices(self.texts, weights=self.weights)
+        if self.served_ends:
+            start = self.rng.randrange(1, len(ids) - self.seq_len + 1)
+            return torch.cat([ids[:1], ids[start : start + self.seq_len]])  # ids[0] is BOS
         start = self.rng.randrange(len(ids) - self.seq_len)
         return ids[start : start + self.seq_len + 1]
 
@@ -65,7 +76,8 @@ class SequenceSampler:
         ids: list[int] = []
         while len(ids) <= self.seq_len:
             ids += self.tokenizer.encode(self.conversation(), add_special_tokens=False).ids
-        return torch.tensor(ids[: self.seq_len + 1], dtype=torch.long)
+        cut = ids[-(self.seq_len + 1) :] if self.served_ends else ids[: self.seq_len + 1]
+        return torch.tensor(cut, dtype=torch.long)
 
     def _tool_calls(self) -> torch.Tensor:
         ids: list[int] = []

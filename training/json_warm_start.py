@@ -14,6 +14,10 @@ in advance; ``--steps`` fixes a step count instead, for a reproducible run).
 Writes the checkpoint plus ``training.json``: the held-out bits per byte of
 the old model, of the grown one before fine-tuning and after, and
 the loss log. One CPU thread; deterministic for a seed on a given machine.
+
+``--resume DIR`` skips the growing and fine-tunes an already extended
+checkpoint further (``--mix``, ``--lr``, ``--warmup`` choose the second
+stage's recipe, ``--served-ends`` its sequence ends, data.py).
 """
 
 from __future__ import annotations
@@ -67,17 +71,99 @@ def tool_texts(replies: list[str], count: int, seed: int) -> list[str]:
     return [tool_conversation(rng, replies).text for _ in range(count)]
 
 
+def stage_config(args: argparse.Namespace) -> TrainConfig:
+    cfg = replace(FINETUNE, steps=args.steps or 100_000)
+    if args.steps is None:
+        cfg.max_seconds = args.minutes * 60
+    if args.mix is not None:
+        chat, tool = (float(x) for x in args.mix.split(","))
+        cfg.chat_fraction, cfg.tool_fraction = chat, tool
+    if args.lr is not None:
+        cfg.lr = args.lr
+    if args.warmup is not None:
+        cfg.warmup_steps = args.warmup
+    if args.seed is not None:
+        cfg.seed = args.seed
+    return cfg
+
+
+def resume(args: argparse.Namespace, cfg: TrainConfig) -> int:
+    """Fine-tune the extended checkpoint ``args.resume`` further (a second stage)."""
+    torch.set_num_threads(1)
+    started = time.monotonic()
+    torch.manual_seed(cfg.seed)
+    corpus = load_corpus(Path(args.cache_dir))
+    tokenizer = load_tokenizer(args.resume)
+    if tokenizer.get_vocab_size(with_added_tokens=True) == DEMO_VOCAB_SIZE:
+        raise SystemExit("--resume must be an extended checkpoint (this one has the old ids)")
+    config, model = load_checkpoint(args.resume, quantization="none")
+    sampler = SequenceSampler(
+        tokenizer,
+        corpus.train,
+        cfg.seq_len,
+        cfg.chat_fraction,
+        cfg.seed,
+        cfg.tool_fraction,
+        served_ends=args.served_ends,
+    )
+    heldout = heldout_windows(tokenizer, corpus.heldout, cfg.seq_len, EVAL_WINDOWS)
+    result = train(model, sampler, heldout, cfg, lambda s: print(s, flush=True))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_checkpoint(model, config, out)
+    write_tokenizer(tokenizer, out, config.max_position_embeddings)
+    _, served = load_checkpoint(out, quantization="none")
+    spans = heldout_spans("".join(p.text for p in corpus.heldout), BPB_SPANS, BPB_CHARS)
+    bpb = bits_per_byte(served, tokenizer, spans)
+    print(f"fine-tuned checkpoint: {bpb:.4f} bits/byte", flush=True)
+    first = json.loads((Path(args.resume) / "training.json").read_text(encoding="utf-8"))
+    record = {
+        "stage_1": {k: v for k, v in first.items() if k != "log"},
+        "stage_1_log": first.get("log", []),
+        "stage_2": {
+            "resumed_from": "stage 1's checkpoint (json_warm_start without --resume)",
+            "served_ends": args.served_ends,
+            "heldout_bits_per_byte": round(bpb, 4),
+        },
+        "wall_seconds": round(time.monotonic() - started, 1),
+        "torch": torch.__version__,
+        **result.to_dict(),
+    }
+    with open(out / "training.json", "w", encoding="utf-8") as f:
+        json.dump(record, f, indent=1)
+        f.write("\n")
+    print(f"wrote {out} in {record['wall_seconds']:.0f} s", flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--base", required=True, help="the 4,096-id demo checkpoint to grow")
+    parser.add_argument("--base", help="the 4,096-id demo checkpoint to grow (not with --resume)")
     parser.add_argument("--out", required=True, help="where the new checkpoint goes")
     parser.add_argument("--cache-dir", default=".cache/corpus")
     parser.add_argument("--minutes", type=float, default=40.0, help="fine-tuning budget")
     parser.add_argument("--steps", type=int, default=None, help="fixed steps (no timing)")
+    parser.add_argument("--resume", default=None, help="an extended checkpoint to fine-tune on")
+    parser.add_argument(
+        "--mix", default=None, help="chat,tool fractions (the rest is play windows), e.g. 0.3,0.1"
+    )
+    parser.add_argument("--lr", type=float, default=None, help="peak learning rate")
+    parser.add_argument("--warmup", type=int, default=None, help="warm-up steps")
+    parser.add_argument(
+        "--served-ends",
+        action="store_true",
+        help="play windows begin with BOS, chat sequences end with a reply's EOS",
+    )
+    parser.add_argument("--seed", type=int, default=None)
     args = parser.parse_args(argv)
+    cfg = stage_config(args)
+    if args.resume is not None:
+        return resume(args, cfg)
+    if args.base is None:
+        parser.error("--base or --resume is required")
     torch.set_num_threads(1)
     started = time.monotonic()
-    torch.manual_seed(FINETUNE.seed)
+    torch.manual_seed(cfg.seed)
 
     corpus = load_corpus(Path(args.cache_dir))
     old = load_tokenizer(args.base)
@@ -92,11 +178,14 @@ def main(argv: list[str] | None = None) -> int:
     config, model = grow_model(base, old, new, play_ids)
     grown = copy.deepcopy(model)  # scored after training, so training starts at once
 
-    cfg = replace(FINETUNE, steps=args.steps or 100_000)
-    if args.steps is None:
-        cfg.max_seconds = args.minutes * 60
     sampler = SequenceSampler(
-        new, corpus.train, cfg.seq_len, cfg.chat_fraction, cfg.seed, cfg.tool_fraction
+        new,
+        corpus.train,
+        cfg.seq_len,
+        cfg.chat_fraction,
+        cfg.seed,
+        cfg.tool_fraction,
+        served_ends=args.served_ends,
     )
     heldout = heldout_windows(new, corpus.heldout, cfg.seq_len, EVAL_WINDOWS)
     result = train(model, sampler, heldout, cfg, lambda s: print(s, flush=True))

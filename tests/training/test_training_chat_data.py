@@ -67,3 +67,31 @@ def test_conversation_is_the_server_encoding(
 def test_conversation_needs_a_final_reply() -> None:
     with pytest.raises(ValueError, match="assistant"):
         render_conversation(["a", "b", "c"], thinking=False)
+
+
+def test_served_ends_start_plays_with_bos_and_end_chat_with_eos() -> None:
+    """``served_ends``: a play window is BOS then a run of the play's own tokens (as a
+    completion prompt is sent); a chat sequence ends with a reply's EOS."""
+    import torch
+
+    from training.bpe import BOS_ID, EOS_ID, train_bpe
+    from training.corpus import Play
+    from training.data import SequenceSampler, encode_play
+
+    play = Play("h", "Hamlet", PLAY.split("\n\n", 4)[-1] * 30)
+    tokenizer = train_bpe([play.text], 360)
+    stream = encode_play(tokenizer, play)
+    plays = SequenceSampler(tokenizer, [play], 48, 0.0, 3, served_ends=True)
+    for _ in range(6):
+        ids = plays.sample()
+        assert len(ids) == 49 and int(ids[0]) == BOS_ID
+        body = ids[1:]
+        assert any(torch.equal(stream[s : s + 48], body) for s in range(1, len(stream) - 47)), (
+            "not a window of the play"
+        )
+    chat = SequenceSampler(tokenizer, [play], 48, 1.0, 3, served_ends=True)
+    default = SequenceSampler(tokenizer, [play], 48, 1.0, 3)
+    ends = [int(chat.sample()[-1]) for _ in range(6)]
+    assert ends == [EOS_ID] * 6
+    # The default cut (what the committed demo was trained on) lands anywhere.
+    assert [int(default.sample()[-1]) for _ in range(6)] != [EOS_ID] * 6
