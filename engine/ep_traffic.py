@@ -20,6 +20,18 @@ before sending back) moves one row per distinct remote rank instead:
 probability C(E - E/W, k) / C(E, k)). Across ``nnodes`` nodes of W / nnodes
 ranks, ``k * (1 - 1/nnodes)`` copies leave the node. Expert ids and routing
 weights (8 B per copy) are left out: under 0.2 % of a row.
+
+What engine/model/ep_dispatch.py sends today (``sent_bytes``): one copy per
+remote pair each way, the dispatch as the bf16 row plus its fp32 expert id
+and weight (``2 H + 8``), the combine as the packed experts' fp32 output
+(``4 H``), unrounded so that the source's sum is one process's:
+
+    sent = k (1 - 1/W) (6 H + 8)
+
+The all-gather it replaced (``gather_bytes``, ring collectives) sent each of a
+rank's rows and its routing (``2 H + 8 k``) to the W - 1 others and then
+all-reduced the fp32 partial outputs of all W ranks' rows (``2 (W - 1) / W``
+of them per rank): per token of the rank, ``(W - 1) (10 H + 8 k)``.
 """
 
 from __future__ import annotations
@@ -47,6 +59,9 @@ class EPTraffic:
     dispatch_row_fp8: int  # H + H/32
     dispatch_row_bf16: int  # 2 H
     combine_row_bf16: int  # 2 H
+    sent_dispatch_row: int  # 2 H + 8: bf16 row, fp32 expert id and weight (ep_dispatch.py)
+    sent_combine_row: int  # 4 H: the packed experts' fp32 output
+    gather_row: int  # 2 H + 8 k: a row and its routing in the former all-gather
 
     @property
     def dispatch_fp8(self) -> float:
@@ -64,6 +79,17 @@ class EPTraffic:
     def inter_node_bytes(self) -> float:
         """FP8 dispatch plus bf16 combine of the copies that leave the node."""
         return self.inter_node_copies * (self.dispatch_row_fp8 + self.combine_row_bf16)
+
+    @property
+    def sent_bytes(self) -> float:
+        """Dispatch plus combine as engine/model/ep_dispatch.py sends them."""
+        return self.remote_copies * (self.sent_dispatch_row + self.sent_combine_row)
+
+    @property
+    def gather_bytes(self) -> float:
+        """The former all-gather of the rows plus the fp32 all-reduce of all ranks' rows."""
+        others = self.world - 1
+        return others * self.gather_row + 2 * others * self.sent_combine_row
 
     @property
     def dispatch_fp8_per_rank(self) -> float:
@@ -101,6 +127,9 @@ def ep_traffic(
         dispatch_row_fp8=hidden_size + hidden_size // SCALE_BLOCK,
         dispatch_row_bf16=2 * hidden_size,
         combine_row_bf16=2 * hidden_size,
+        sent_dispatch_row=2 * hidden_size + 8,
+        sent_combine_row=4 * hidden_size,
+        gather_row=2 * hidden_size + 8 * top_k,
     )
 
 
@@ -118,7 +147,8 @@ def format_ep_traffic(config: ModelConfig, rows: list[tuple[int, int]]) -> list[
         f"{config.num_experts_per_tok} of {config.n_routed_experts}; x{layers} layers per token)",
         f"  {'ranks':>5} {'nodes':>5} {'E/rank':>6} {'local':>6} {'remote':>7} "
         f"{'FP8 disp B':>11} {'bf16 disp B':>11} {'combine B':>10} {'ranks':>6} "
-        f"{'FP8+comb/rank B':>15} {'off-node':>8} {'off-node B':>10}",
+        f"{'FP8+comb/rank B':>15} {'off-node':>8} {'off-node B':>10} {'sent B':>8} "
+        f"{'all-gather B':>12}",
     ]
     for world, nnodes in rows:
         t = ep_traffic_of(config, world, nnodes)
@@ -127,6 +157,7 @@ def format_ep_traffic(config: ModelConfig, rows: list[tuple[int, int]]) -> list[
             f"{t.remote_copies:>7.3f} {t.dispatch_fp8:>11,.0f} {t.dispatch_bf16:>11,.0f} "
             f"{t.combine_bf16:>10,.0f} {t.remote_ranks:>6.3f} "
             f"{t.dispatch_fp8_per_rank + t.combine_bf16_per_rank:>15,.0f} "
-            f"{t.inter_node_copies:>8.3f} {t.inter_node_bytes:>10,.0f}"
+            f"{t.inter_node_copies:>8.3f} {t.inter_node_bytes:>10,.0f} "
+            f"{t.sent_bytes:>8,.0f} {t.gather_bytes:>12,.0f}"
         )
     return lines

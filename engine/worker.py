@@ -85,7 +85,7 @@ def _time_collectives() -> None:
 
         return call
 
-    for name in ("all_reduce", "all_gather"):
+    for name in ("all_reduce", "all_gather", "all_to_all_single"):
         setattr(dist, name, timed(getattr(dist, name)))
 
 

@@ -130,8 +130,8 @@ class DeepseekV41(nn.Module):
         """Enter the MoE of layers ``first`` on with no rows of our own.
 
         Under EP dispatch (DP attention) every rank must join every MoE layer's
-        gather and all-reduce in a step, also a rank without rows (or whose rows
-        all stopped below the last layer): the others' rows need its experts.
+        two all-to-alls in a step, also a rank without rows (or whose rows all
+        stopped below the last layer): the others' pairs need its experts.
         Without dispatch a rank has nothing to join, and this does nothing.
         """
         if not self.parallel.ep_dispatch:

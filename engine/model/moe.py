@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model.config import ModelConfig
+from engine.model.ep_dispatch import ep_moe
 from engine.model.parallel import SINGLE, Parallel
 from engine.model.precision import upcast
 from engine.model.routed_experts import RoutedExperts, clamped_swiglu
@@ -100,12 +101,8 @@ class MoE(nn.Module):
         """``x [T, D] -> [T, D]`` in ``x``'s dtype."""
         p = self.parallel
         weights, idx = self.gate(x)
-        if p.ep_dispatch:  # other EP ranks hold other rows: gather, compute ours, sum, take ours
-            k = idx.shape[-1]
-            routed = torch.cat([weights, idx.to(weights)], -1)  # ids exact in fp32
-            (rows, choice), offset, count = p.ep_gather(x, routed)
-            partial = self.experts(rows, choice[:, :k], choice[:, k:].long())
-            y = p.ep_all_reduce(partial)[offset : offset + count]
+        if p.ep_dispatch:  # other EP ranks hold other rows: pairs go to their experts' ranks
+            y = ep_moe(self.experts, p, x, weights, idx)
         else:
             y = self.experts(x, weights, idx)  # this rank's experts' share (all, without EP)
         shared = upcast(self.shared_experts(x), y)  # this rank's TP share

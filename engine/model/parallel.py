@@ -10,10 +10,9 @@ the identity, so the model code reads the same with and without parallelism.
   router is replicated. When the EP ranks hold the same rows (EP over the TP
   group) each computes its experts' share of every row and the shares are
   summed with the TP all-reduce. When they hold different rows (``ep_dispatch``:
-  DP attention) the rows are all-gathered, each rank keeps the (row, slot) pairs
-  of its own experts, and the partial outputs are all-reduced; each rank then
-  takes back its own rows. gloo has no all-to-all, so this trades W x the bytes
-  of a dispatch for collectives gloo has.
+  DP attention) each (row, slot) pair goes to its expert's rank and its output
+  comes back: two all-to-alls per MoE layer, on NCCL and gloo alike
+  (engine/model/ep_dispatch.py).
 """
 
 from __future__ import annotations
@@ -66,7 +65,8 @@ class Parallel:
     """This rank's TP and EP coordinates and groups (None: the default group).
 
     ``ep_dispatch``: the EP ranks run different rows (DP attention), so a MoE
-    layer gathers them; False when every EP rank runs the same rows.
+    layer dispatches its pairs to their experts' ranks; False when every EP rank
+    runs the same rows.
     """
 
     tp_rank: int = 0
@@ -119,27 +119,18 @@ class Parallel:
             dist.all_reduce(x, group=self.ep_group)
         return x
 
-    def ep_gather(self, *tensors: torch.Tensor) -> tuple[list[torch.Tensor], int, int]:
-        """Every EP rank's rows of each of ``tensors`` (same first dim), in rank order,
-        and where this rank's rows sit in them: ``(gathered, offset, count)``.
+    def ep_all_to_all(
+        self, x: torch.Tensor, send: list[int] | None = None, recv: list[int] | None = None
+    ) -> torch.Tensor:
+        """``x``'s rows scattered over the EP ranks, ``send[r]`` (consecutive) to rank r,
+        and the rows received, ``recv[r]`` from rank r, in rank order. None: equal splits.
 
-        gloo's all-gather wants equal shapes: the counts go first, rows are padded
-        to the largest and the padding dropped after.
+        Every EP rank must call it, also with no rows to send or receive.
         """
-        rows = tensors[0].shape[0]
-        count = torch.tensor([rows], dtype=torch.long)
-        counts = [torch.zeros_like(count) for _ in range(self.ep_size)]
-        dist.all_gather(counts, count, group=self.ep_group)
-        sizes = [int(c) for c in counts]
-        most = max(sizes)
-        gathered = []
-        for t in tensors:
-            padded = t.new_zeros((most, *t.shape[1:]))
-            padded[:rows] = t
-            parts = [torch.empty_like(padded) for _ in range(self.ep_size)]
-            dist.all_gather(parts, padded, group=self.ep_group)
-            gathered.append(torch.cat([p[:n] for p, n in zip(parts, sizes, strict=True)]))
-        return gathered, sum(sizes[: self.ep_rank]), rows
+        shape = x.shape if recv is None else (sum(recv), *x.shape[1:])
+        out = x.new_empty(shape)
+        dist.all_to_all_single(out, x.contiguous(), recv, send, group=self.ep_group)
+        return out
 
 
 SINGLE = Parallel()

@@ -215,6 +215,27 @@ class RoutedExperts(nn.Module):
         y = torch.zeros(x.shape, dtype=compute_dtype(x), device=x.device)
         return y.index_add_(0, routing.token, upcast(out, y))
 
+    def per_pair(
+        self, rows: torch.Tensor, weight: torch.Tensor, local: torch.Tensor
+    ) -> torch.Tensor:
+        """The outputs of pairs, unsummed: row i of ``rows [P, D]`` through local expert
+        ``local[i]`` with routing weight ``weight[i]`` (``[P, 1]``), in the input order.
+
+        The expert-parallel owner's side of a dispatch (engine/model/ep_dispatch.py):
+        each row is computed as ``forward`` computes it; fp32 when packed, else the
+        rows' dtype, also for ``P = 0`` (the source sizes its receive buffer alike).
+        """
+        dtype = torch.float32 if self.packed else rows.dtype
+        if rows.shape[0] == 0:
+            return rows.new_zeros(0, self.dim, dtype=dtype)
+        routing = group_by_expert(weight, local.unsqueeze(-1), self.n_experts)
+        out = (
+            self._packed(rows, routing)
+            if self.packed
+            else self._unpacked(rows[routing.token], routing)
+        )
+        return torch.empty_like(out, dtype=dtype).index_copy_(0, routing.token, out.to(dtype))
+
     def _unpacked(self, rows: torch.Tensor, routing: Routing) -> torch.Tensor:
         """A loop over the active experts in the model dtype (the old per-expert arithmetic)."""
         pieces = []

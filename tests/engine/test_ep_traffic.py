@@ -54,3 +54,18 @@ def test_remote_ranks_equals_an_enumeration_of_every_routing() -> None:
 def test_uneven_splits_are_refused(world: int, nnodes: int, experts: int) -> None:
     with pytest.raises(ValueError):
         ep_traffic(hidden_size=5120, n_experts=experts, top_k=6, world=world, nnodes=nnodes)
+
+
+def test_sent_and_all_gather_bytes_match_the_hand_computation() -> None:
+    """What engine/model/ep_dispatch.py sends (per remote pair: a bf16 row, fp32 id and
+    weight out, an fp32 output back) against the former all-gather + fp32 all-reduce."""
+    c = ModelConfig.official()  # H 5120, top-6
+    eight, two = ep_traffic_of(c, 8), ep_traffic_of(c, 2)
+    assert eight.sent_dispatch_row == 10_240 + 8 and eight.sent_combine_row == 20_480
+    assert eight.sent_bytes == 5.25 * (10_248 + 20_480) == 161_322
+    # all-gather: the row and 6 (weight, id) fp32 pairs to 7 others; ring all-reduce of
+    # 8 ranks' fp32 rows, 2 x 7/8 of them per rank, i.e. 2 x 7 rows per own token.
+    assert eight.gather_row == 10_240 + 48
+    assert eight.gather_bytes == 7 * 10_288 + 14 * 20_480 == 358_736
+    # At 2 ranks the gather sends fewer bytes: 3 remote pairs each way vs 1 row + 2 sums.
+    assert two.sent_bytes == 3 * 30_728 > two.gather_bytes == 10_288 + 2 * 20_480
