@@ -116,8 +116,9 @@ def test_probes_ports_and_scrape_annotations_agree(rendered) -> None:
     for key, workload in workloads(resources).items():
         container = container_of(workload)
         port = int(config(resources, workload)["FLASHSERVE_PORT"])
-        # One HTTP port (a multi-node leader also opens torch.distributed's, "dist").
-        (http,) = [p for p in container["ports"] if p["name"] != "dist"]
+        # One HTTP port (a multi-node leader also opens torch.distributed's, "dist", and
+        # the engine core's step channel, "steps").
+        (http,) = [p for p in container["ports"] if p["name"] not in ("dist", "steps")]
         assert (http["name"], http["containerPort"]) == ("http", port), key
         for probe in ("startupProbe", "readinessProbe"):
             assert container[probe]["httpGet"] == {"path": "/health", "port": "http"}, key
@@ -384,6 +385,9 @@ def test_multinode_is_a_leader_worker_set_of_two_8_gpu_nodes(multinode) -> None:
     assert flag(worker["args"], "--node-rank") == "$(LWS_WORKER_INDEX)"
     (dist,) = [p for p in leader["ports"] if p["name"] == "dist"]
     assert str(dist["containerPort"]) == flag(leader["args"], "--master-port")
+    # Node 1's ranks reach the engine core's step channel one port above it.
+    (steps,) = [p for p in leader["ports"] if p["name"] == "steps"]
+    assert steps["containerPort"] == int(flag(leader["args"], "--master-port")) + 1
     # The API, its probes and /metrics are the leader's; a worker serves nothing.
     assert "ports" not in worker and "readinessProbe" not in worker
     assert "prometheus.io/scrape" not in pods["worker"]["metadata"].get("annotations", {})
