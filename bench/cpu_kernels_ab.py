@@ -90,33 +90,10 @@ def _batch(model, batch: int, steps: int) -> tuple[dict, float]:
 
 
 def _context(model, context: int, steps: int) -> Callable[[], None]:
-    from bench.engine_bench import _manager, _sequence
-    from engine.model_runner import PagedModelRunner
+    from bench.engine_bench import synthetic_context
     from engine.step import StepBatch
-    from kernels.kv_cache_ops import store_kv_entries
 
-    config = model.config
-    kv = _manager(config, context + 2 * steps + 8)
-    runner = PagedModelRunner(model, kv, max_num_seqs=1)
-    tokens = torch.randint(3, 120000, (context,), generator=torch.Generator().manual_seed(2))
-    seq = _sequence(kv, config, tokens.tolist(), config.sliding_window, ced=True)
-    table = torch.tensor(seq.block_table)
-    gen = torch.Generator().manual_seed(3)
-    for layer in config.kv_source_layer_ids:
-        pages = kv.page_tensors(layer)
-        n = context // config.compress_ratios[layer]
-        for e0 in range(0, n, 4096):
-            entries = torch.arange(e0, min(e0 + 4096, n))
-            store_kv_entries(
-                pages.main_data,
-                pages.main_scales,
-                pages.index_data,
-                pages.index_scales,
-                table[entries // pages.entries_per_page],
-                entries % pages.entries_per_page,
-                torch.randn(entries.numel(), config.head_dim, generator=gen),
-                torch.randn(entries.numel(), config.index_head_dim, generator=gen),
-            )
+    kv, runner, seq = synthetic_context(model, context, 2 * steps + 8)
 
     def step() -> None:
         seq.token_ids.append(5 + len(seq.token_ids) % 100)

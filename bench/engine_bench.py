@@ -95,10 +95,13 @@ def prefill_seconds(model: DeepseekV41, n_tokens: int, ced: bool, chunk: int) ->
 
 
 # ---------------------------------------------------------------- P3
-def decode_step_seconds(model: DeepseekV41, context: int, steps: int) -> float:
-    """Median decode step at ``context`` tokens of synthetic global KV."""
+def synthetic_context(
+    model: DeepseekV41, context: int, extra: int
+) -> tuple[KVCacheManager, PagedModelRunner, Sequence]:
+    """One sequence at ``context`` tokens whose global KV is random entries written
+    straight into its pages (no prefill), with room for ``extra`` more tokens."""
     config = model.config
-    kv = _manager(config, context + steps)
+    kv = _manager(config, context + extra)
     runner = PagedModelRunner(model, kv, max_num_seqs=1)
     tokens = torch.randint(3, 120000, (context,), generator=torch.Generator().manual_seed(2))
     seq = _sequence(kv, config, tokens.tolist(), config.sliding_window, ced=True)
@@ -119,6 +122,12 @@ def decode_step_seconds(model: DeepseekV41, context: int, steps: int) -> float:
                 torch.randn(entries.numel(), config.head_dim, generator=gen),
                 torch.randn(entries.numel(), config.index_head_dim, generator=gen),
             )
+    return kv, runner, seq
+
+
+def decode_step_seconds(model: DeepseekV41, context: int, steps: int) -> float:
+    """Median decode step at ``context`` tokens of synthetic global KV."""
+    kv, runner, seq = synthetic_context(model, context, steps)
     times = []
     for step in range(steps):
         seq.token_ids.append(5 + step)

@@ -44,24 +44,10 @@ class CoreKV(KVCacheManager):
         self.restored: list[tuple[int, bytes]] = []
         self.unwritten: list[list[tuple[bytes, int]]] = []
 
-    def _load_from_ssd(
-        self, chain_idx: list[int], hashes: list[bytes], page_ids: list[int], keep: int
-    ) -> int:
-        # KVCacheManager._load_from_ssd with the copy into the device pool replaced by
-        # ``restored`` (the workers copy the bytes in before the step's forward).
-        if not chain_idx:
-            return keep
-        assert self.store is not None
-        pages = self.pool.allocate(len(chain_idx))
-        payloads = self.store.get_many([hashes[i] for i in chain_idx])
-        for i, page, payload in zip(chain_idx, pages, payloads, strict=True):
-            page_ids[i] = page
-            if payload is None:
-                keep = min(keep, i)
-            else:
-                self.restored.append((page, bytes(payload)))
-                self.pool.register(page, hashes[i])
-        return keep
+    def _write_loaded(self, loaded: list[tuple[int, memoryview]]) -> None:
+        # No device pool here: the bytes ship with the next step and the workers copy
+        # them in before its forward.
+        self.restored.extend((page, bytes(payload)) for page, payload in loaded)
 
     def commit_full_pages(self, request_id: Hashable, token_ids: Sequence[int], salt: Salt) -> int:
         store, self.store = self.store, None  # register only; the bytes are fetched later

@@ -188,15 +188,19 @@ class KVCacheManager:
             else:
                 loaded.append((page, payload))
         if loaded:
-            rows = torch.stack([torch.frombuffer(p, dtype=torch.uint8) for _, p in loaded])
-            ids = torch.tensor([page for page, _ in loaded], device=self.memory.device)
-            self.memory.pages.index_copy_(0, ids, rows.to(self.memory.device))
+            self._write_loaded(loaded)
         # Register after the bytes are in place: a verified page is a valid cached
         # page even past a cut, so it stays findable after release.
         for i, page, payload in zip(chain_idx, pages, payloads, strict=True):
             if payload is not None:
                 self.pool.register(page, hashes[i])
         return keep
+
+    def _write_loaded(self, loaded: list[tuple[int, memoryview]]) -> None:
+        """Copy the payloads read from SSD into their device pages ``(page, bytes)``."""
+        rows = torch.stack([torch.frombuffer(p, dtype=torch.uint8) for _, p in loaded])
+        ids = torch.tensor([page for page, _ in loaded], device=self.memory.device)
+        self.memory.pages.index_copy_(0, ids, rows.to(self.memory.device))
 
     # --------------------------------------------------------- block tables
     def allocate(self, request_id: Hashable, n_tokens: int) -> list[int]:
