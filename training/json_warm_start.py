@@ -33,19 +33,22 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer
 
 from engine.checkpoint import load_checkpoint
 from engine.checkpoint_writer import save_checkpoint
+from engine.model.config import ModelConfig
+from engine.model.model import DeepseekV41
 from engine.tokenizer import load_tokenizer
 from training.bits_per_byte import bits_per_byte, heldout_spans
 from training.bpe import write_tokenizer
 from training.bpe_extend import extend_tokenizer
 from training.chat_data import speeches
-from training.corpus import load_corpus
+from training.corpus import Corpus, load_corpus
 from training.data import SequenceSampler, encode_play, heldout_windows
 from training.demo_config import DEMO_VOCAB_SIZE
 from training.tool_data import tool_conversation
-from training.trainer import TrainConfig, train
+from training.trainer import TrainConfig, TrainResult, train
 from training.warm_start import grow_model
 
 # Appended ids: 768 take the hand-written JSON sample past 2.8 characters a token
@@ -87,16 +90,17 @@ def stage_config(args: argparse.Namespace) -> TrainConfig:
     return cfg
 
 
-def resume(args: argparse.Namespace, cfg: TrainConfig) -> int:
-    """Fine-tune the extended checkpoint ``args.resume`` further (a second stage)."""
-    torch.set_num_threads(1)
-    started = time.monotonic()
-    torch.manual_seed(cfg.seed)
-    corpus = load_corpus(Path(args.cache_dir))
-    tokenizer = load_tokenizer(args.resume)
-    if tokenizer.get_vocab_size(with_added_tokens=True) == DEMO_VOCAB_SIZE:
-        raise SystemExit("--resume must be an extended checkpoint (this one has the old ids)")
-    config, model = load_checkpoint(args.resume, quantization="none")
+def train_and_save(
+    model: DeepseekV41,
+    config: ModelConfig,
+    tokenizer: Tokenizer,
+    corpus: Corpus,
+    cfg: TrainConfig,
+    args: argparse.Namespace,
+    spans: list[str],
+) -> tuple[TrainResult, float]:
+    """Fine-tune ``model`` on the stage's mix, write it with its tokenizer to ``args.out``
+    and score the written checkpoint: (training result, held-out bits per byte)."""
     sampler = SequenceSampler(
         tokenizer,
         corpus.train,
@@ -113,9 +117,24 @@ def resume(args: argparse.Namespace, cfg: TrainConfig) -> int:
     save_checkpoint(model, config, out)
     write_tokenizer(tokenizer, out, config.max_position_embeddings)
     _, served = load_checkpoint(out, quantization="none")
-    spans = heldout_spans("".join(p.text for p in corpus.heldout), BPB_SPANS, BPB_CHARS)
     bpb = bits_per_byte(served, tokenizer, spans)
     print(f"fine-tuned checkpoint: {bpb:.4f} bits/byte", flush=True)
+    return result, bpb
+
+
+def resume(args: argparse.Namespace, cfg: TrainConfig) -> int:
+    """Fine-tune the extended checkpoint ``args.resume`` further (a second stage)."""
+    torch.set_num_threads(1)
+    started = time.monotonic()
+    torch.manual_seed(cfg.seed)
+    corpus = load_corpus(Path(args.cache_dir))
+    tokenizer = load_tokenizer(args.resume)
+    if tokenizer.get_vocab_size(with_added_tokens=True) == DEMO_VOCAB_SIZE:
+        raise SystemExit("--resume must be an extended checkpoint (this one has the old ids)")
+    config, model = load_checkpoint(args.resume, quantization="none")
+    spans = heldout_spans("".join(p.text for p in corpus.heldout), BPB_SPANS, BPB_CHARS)
+    result, bpb = train_and_save(model, config, tokenizer, corpus, cfg, args, spans)
+    out = Path(args.out)
     first = json.loads((Path(args.resume) / "training.json").read_text(encoding="utf-8"))
     record = {
         "stage_1": {k: v for k, v in first.items() if k != "log"},
@@ -178,25 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     config, model = grow_model(base, old, new, play_ids)
     grown = copy.deepcopy(model)  # scored after training, so training starts at once
 
-    sampler = SequenceSampler(
-        new,
-        corpus.train,
-        cfg.seq_len,
-        cfg.chat_fraction,
-        cfg.seed,
-        cfg.tool_fraction,
-        served_ends=args.served_ends,
-    )
-    heldout = heldout_windows(new, corpus.heldout, cfg.seq_len, EVAL_WINDOWS)
-    result = train(model, sampler, heldout, cfg, lambda s: print(s, flush=True))
-
+    result, bpb_new = train_and_save(model, config, new, corpus, cfg, args, spans)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    save_checkpoint(model, config, out)
-    write_tokenizer(new, out, config.max_position_embeddings)
-    _, served = load_checkpoint(out, quantization="none")
-    bpb_new = bits_per_byte(served, new, spans)
-    print(f"fine-tuned checkpoint: {bpb_new:.4f} bits/byte", flush=True)
     bpb_old = bits_per_byte(base, old, spans)
     print(f"base model: {bpb_old:.4f} bits/byte", flush=True)
     bpb_grown = bits_per_byte(grown, new, spans)
