@@ -35,6 +35,12 @@ class SequenceSampler:
     does), and chat is cut so that the sequence ends with a reply's EOS, so the
     end of a reply is always seen (the default, a cut anywhere, is what the
     committed demo was trained on).
+
+    ``short_replies`` is the chance that an assistant turn keeps only its first
+    one or two sentences (cut after a line ending in ``.``, ``!`` or ``?``,
+    ``first_sentences``): a served reply is a few lines long, and in a play a
+    line's full stop is followed by more verse far more often than a speech
+    ends, so without short replies the model continues where it should stop.
     """
 
     def __init__(
@@ -46,12 +52,14 @@ class SequenceSampler:
         seed: int,
         tool_fraction: float = 0.0,
         served_ends: bool = False,
+        short_replies: float = 0.0,
     ) -> None:
         self.tokenizer = tokenizer
         self.seq_len = seq_len
         self.chat_fraction = chat_fraction
         self.tool_fraction = tool_fraction
         self.served_ends = served_ends
+        self.short_replies = short_replies
         self.rng = random.Random(seed)
         self.texts = [encode_play(tokenizer, p) for p in plays]
         self.speeches = [speeches(p.text) for p in plays]
@@ -94,9 +102,25 @@ class SequenceSampler:
         thinking = self.rng.random() < 0.5
         system = self.titles[play] if self.rng.random() < 0.3 else None
         effort = 75 if self.rng.random() < 0.7 else self.rng.randint(1, 100)
-        return render_conversation(
-            lines[start : start + turns], thinking=thinking, system=system, effort=effort
-        )
+        spoken = lines[start : start + turns]
+        if self.short_replies:
+            spoken = [
+                first_sentences(line, self.rng.randint(1, 2))
+                if i % 2 and self.rng.random() < self.short_replies
+                else line
+                for i, line in enumerate(spoken)
+            ]
+        return render_conversation(spoken, thinking=thinking, system=system, effort=effort)
+
+
+def first_sentences(speech: str, count: int) -> str:
+    """The speech's lines up to its ``count``-th line that ends a sentence (the whole
+    speech when it has fewer)."""
+    lines = speech.split("\n")
+    ends = [i for i, line in enumerate(lines) if line.rstrip().endswith((".", "!", "?"))]
+    if len(ends) < count:
+        return speech
+    return "\n".join(lines[: ends[count - 1] + 1])
 
 
 def heldout_windows(

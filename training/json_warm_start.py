@@ -17,7 +17,9 @@ the loss log. One CPU thread; deterministic for a seed on a given machine.
 
 ``--resume DIR`` skips the growing and fine-tunes an already extended
 checkpoint further (``--mix``, ``--lr``, ``--warmup`` choose the second
-stage's recipe, ``--served-ends`` its sequence ends, data.py).
+stage's recipe, ``--served-ends`` its sequence ends, ``--short-replies`` and
+``--eos-weight`` how much of the loss falls on the end of a reply; data.py,
+trainer.py).
 """
 
 from __future__ import annotations
@@ -87,6 +89,7 @@ def stage_config(args: argparse.Namespace) -> TrainConfig:
         cfg.warmup_steps = args.warmup
     if args.seed is not None:
         cfg.seed = args.seed
+    cfg.eos_weight = args.eos_weight
     return cfg
 
 
@@ -109,6 +112,7 @@ def train_and_save(
         cfg.seed,
         cfg.tool_fraction,
         served_ends=args.served_ends,
+        short_replies=args.short_replies,
     )
     heldout = heldout_windows(tokenizer, corpus.heldout, cfg.seq_len, EVAL_WINDOWS)
     result = train(model, sampler, heldout, cfg, lambda s: print(s, flush=True))
@@ -142,6 +146,8 @@ def resume(args: argparse.Namespace, cfg: TrainConfig) -> int:
         "stage_2": {
             "resumed_from": "stage 1's checkpoint (json_warm_start without --resume)",
             "served_ends": args.served_ends,
+            "short_replies": args.short_replies,
+            "eos_weight": args.eos_weight,
             "heldout_bits_per_byte": round(bpb, 4),
         },
         "wall_seconds": round(time.monotonic() - started, 1),
@@ -172,6 +178,15 @@ def main(argv: list[str] | None = None) -> int:
         "--served-ends",
         action="store_true",
         help="play windows begin with BOS, chat sequences end with a reply's EOS",
+    )
+    parser.add_argument(
+        "--short-replies",
+        type=float,
+        default=0.0,
+        help="chance that a chat reply keeps only its first one or two sentences",
+    )
+    parser.add_argument(
+        "--eos-weight", type=float, default=1.0, help="loss weight of EOS targets (1: plain)"
     )
     parser.add_argument("--seed", type=int, default=None)
     args = parser.parse_args(argv)

@@ -95,3 +95,48 @@ def test_served_ends_start_plays_with_bos_and_end_chat_with_eos() -> None:
     assert ends == [EOS_ID] * 6
     # The default cut (what the committed demo was trained on) lands anywhere.
     assert [int(default.sample()[-1]) for _ in range(6)] != [EOS_ID] * 6
+
+
+def test_first_sentences_cuts_after_a_line_that_ends_a_sentence() -> None:
+    from training.data import first_sentences
+
+    speech = "Nay, answer me:\nstand, and unfold yourself.\nLong live the king!\nWho, ho?\nand more"
+    assert first_sentences(speech, 1) == "Nay, answer me:\nstand, and unfold yourself."
+    assert first_sentences(speech, 2) == (
+        "Nay, answer me:\nstand, and unfold yourself.\nLong live the king!"
+    )
+    assert first_sentences(speech, 3) == "\n".join(speech.split("\n")[:4])
+    # Fewer sentence ends than asked for (or none): the whole speech.
+    assert first_sentences(speech, 4) == speech
+    assert first_sentences("no end here\nnor here", 1) == "no end here\nnor here"
+
+
+def test_short_replies_keep_a_reply_to_its_first_sentences() -> None:
+    """``short_replies=1``: every assistant reply is the first lines of one of the play's
+    speeches, ending a sentence (or the whole speech); user turns stay whole."""
+    import re
+
+    from training.bpe import ASSISTANT, USER, train_bpe
+    from training.corpus import Play
+    from training.data import SequenceSampler
+
+    verse = "Who's there?\n\nFran.\nNay, answer me. Stand,\nand unfold yourself.\nI say!\nGo on"
+    body = "\n\n".join(f"Ber.\n{verse}\nline {i}.\nand more {i}" for i in range(40))
+    play = Play("h", "Hamlet", body)
+    tokenizer = train_bpe([play.text], 300)
+    sampler = SequenceSampler(tokenizer, [play], 48, 1.0, 5, short_replies=1.0)
+    lines = sampler.speeches[0]
+    cut = 0
+    for _ in range(20):
+        text = sampler.conversation()
+        for user, reply in re.findall(
+            re.escape(USER) + r"(.*?)" + re.escape(ASSISTANT) + r"(?:<think>)?</think>(.*?)" + EOS,
+            text,
+            flags=re.S,
+        ):
+            assert user in lines
+            whole = [s for s in lines if s.startswith(reply)]
+            assert whole, reply
+            assert reply in whole or reply.endswith((".", "!", "?"))
+            cut += reply not in lines
+    assert cut > 0  # some replies were shortened

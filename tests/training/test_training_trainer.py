@@ -90,3 +90,19 @@ def test_a_time_budget_ends_the_run_and_drives_the_schedule(monkeypatch) -> None
     assert [s.heldout_loss is not None for s in result.log] == [False] * 4 + [True]
     cosine = [0.1 + 0.45 * (1 + math.cos(math.pi * (1 + 2 * k) / 10)) for k in range(1, 5)]
     assert [s.lr for s in result.log] == pytest.approx([1.0, *cosine])
+
+
+def test_next_token_loss_weights_eos_targets() -> None:
+    from training.bpe import EOS_ID
+    from training.trainer import next_token_loss
+
+    torch.manual_seed(0)
+    logits = torch.randn(5, 9)
+    targets = torch.tensor([3, EOS_ID, 4, EOS_ID, 0])
+    per_position = [-float(torch.log_softmax(logits[i], -1)[t]) for i, t in enumerate(targets)]
+    assert float(next_token_loss(logits, targets, 1.0)) == pytest.approx(
+        sum(per_position) / 5, rel=1e-6
+    )
+    weights = [3.0 if int(t) == EOS_ID else 1.0 for t in targets]
+    expected = sum(w * c for w, c in zip(weights, per_position, strict=True)) / sum(weights)
+    assert float(next_token_loss(logits, targets, 3.0)) == pytest.approx(expected, rel=1e-6)
