@@ -1,7 +1,10 @@
 """Warm-start the demo model onto a tokenizer that is cheap on JSON and tool syntax.
 
-    git archive b97fa1e models/demo | tar -x -C /tmp/base     # the 4,096-id demo
-    .venv/bin/python -m training.json_warm_start --base /tmp/base/models/demo --out models/demo
+    git archive c4bdbb8 models/demo | tar -x -C /tmp/base     # the 4,096-id demo, 8K context
+    .venv/bin/python -m training.json_warm_start --base /tmp/base/models/demo --out /tmp/s1
+    .venv/bin/python -m training.json_warm_start --resume /tmp/s1 --out models/demo \
+        --mix 0.4,0.1 --lr 3e-4 --warmup 10 --served-ends --short-replies 0.5 --eos-weight 3 \
+        --minutes 25                                           # the committed demo (issue 19)
 
 (or ``flashserve train-demo --out /tmp/base`` to rebuild that base from nothing).
 Reads the 4,096-id demo checkpoint, appends ``NEW_IDS`` BPE merges
@@ -60,6 +63,12 @@ TOOL_CONVERSATIONS = 1000  # ~2.2 MB of tool-call text to learn the merges on
 MERGE_SEED = 1
 BPB_SPANS, BPB_CHARS = 32, 1024
 EVAL_WINDOWS = 16
+# The second stage of the committed demo (issue 19): sequences shaped as served,
+# short chat replies and EOS weighted 3x, so that a chat reply ends with EOS.
+SHIPPED_STAGE_2 = [
+    "--mix", "0.4,0.1", "--lr", "3e-4", "--warmup", "10",
+    "--served-ends", "--short-replies", "0.5", "--eos-weight", "3",
+]  # fmt: skip
 FINETUNE = TrainConfig(
     micro_batches=2,
     seq_len=256,
