@@ -29,7 +29,7 @@ from engine.sampling_params import SamplingParams
 from engine.tokenizer import load_tokenizer
 from server.chat_encoding import encode_chat
 from server.protocol import ChatCompletionRequest
-from training.bpe import SPECIAL_TOKENS
+from training.bpe import EOS_ID, SPECIAL_TOKENS
 from training.demo_config import demo_checkpoint_dir, demo_config
 
 DEMO = demo_checkpoint_dir()
@@ -38,12 +38,14 @@ NEW_TOKENS = 8
 CONTEXT = 8192  # issue 19: room for the tool prompts agent frameworks send
 
 COMPLETION = "<｜begin▁of▁sentence｜>To be, or not to be"
-PINNED_COMPLETION = [270, 452, 23, 210, 350, 304, 371, 316]
-PINNED_COMPLETION_TEXT = " a man,\nAnd I have be"
+PINNED_COMPLETION = [210, 422, 316, 270, 452, 25, 210, 210]
+PINNED_COMPLETION_TEXT = "\nTo be a man.\n\n"
 
 CHAT = [{"role": "user", "content": "Who's there?"}]
-PINNED_CHAT = [52, 481, 316, 334, 23, 302, 304, 481]
-PINNED_CHAT_TEXT = "I'll be not, and I'll"
+PINNED_CHAT = [52, 467, 334, 23, 531, 23, 304, 481]
+PINNED_CHAT_TEXT = "I am not, sir, I'll"
+# Issue 19: a chat reply ends with EOS (the last candidates ran on into another speech).
+PINNED_REPLY = "I am not, sir, I'll be a man."
 
 
 @pytest.fixture(scope="module")
@@ -143,6 +145,28 @@ def test_greedy_output_is_pinned(demo, prompt: str | None, pinned: list[int], te
             streamed += [t for c in out.outputs for t in c.token_ids]
     engine.close()
     assert streamed == pinned
+
+
+def test_greedy_chat_reply_ends_with_eos(demo) -> None:
+    _, model, tokenizer = demo
+    ids = tokenizer.encode(_chat_prompt(), add_special_tokens=False).ids
+    tokens = reference_generate(model, ids, 16).tokens
+    assert EOS_ID in tokens, tokenizer.decode(tokens, skip_special_tokens=False)
+    reply = tokens[: tokens.index(EOS_ID)]
+    assert tokenizer.decode(reply, skip_special_tokens=False) == PINNED_REPLY
+
+    engine = LLMEngine.build(
+        EngineConfig(kv_cache_bytes=8 << 20, max_num_seqs=1), model, tokenizer=tokenizer
+    )
+    engine.add_request(Request("r", ids, SamplingParams(temperature=0.0, max_tokens=32)))
+    served: list[int] = []
+    reasons: list[str | None] = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            served += [t for c in out.outputs for t in c.token_ids]
+            reasons += [c.finish_reason for c in out.outputs]
+    engine.close()
+    assert served[: len(reply)] == reply and reasons[-1] == "stop"
 
 
 def test_serve_resolves_demo_to_the_committed_checkpoint() -> None:

@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 
 from training.bpe import train_bpe
-from training.bpe_extend import extend_tokenizer, learn_merges, word_pieces
+from training.bpe_extend import base_tokenizer, extend_tokenizer, learn_merges, word_pieces
 
 PLAY = [
     "To be, or not to be, that is the question:\n"
@@ -94,9 +94,10 @@ def test_the_demo_recipe_makes_the_json_sample_cheap() -> None:
     from training.demo_config import DEMO_VOCAB_SIZE, demo_checkpoint_dir
     from training.json_warm_start import MERGE_SEED, NEW_IDS, TOOL_CONVERSATIONS, tool_texts
 
-    old = load_tokenizer(demo_checkpoint_dir())
-    if old.get_vocab_size() != DEMO_VOCAB_SIZE:
-        pytest.skip("the committed demo tokenizer is already extended")
+    shipped = load_tokenizer(demo_checkpoint_dir())
+    # The committed demo is the extended model; its first ids are the base it grew from.
+    old = base_tokenizer(shipped, DEMO_VOCAB_SIZE)
+    assert old.get_vocab_size() == DEMO_VOCAB_SIZE
     replies = ["Now is the winter of our discontent.", "What's past is prologue."]
     new = extend_tokenizer(old, tool_texts(replies, TOOL_CONVERSATIONS, MERGE_SEED), NEW_IDS)
     sample = (Path(__file__).parents[2] / "bench" / "data" / "tool_json_sample.txt").read_text()
@@ -104,5 +105,7 @@ def test_the_demo_recipe_makes_the_json_sample_cheap() -> None:
     assert len(sample) / len(old.encode(sample).ids) < 1.9
     assert len(sample) / len(ids) >= 2.79
     assert new.decode(ids, skip_special_tokens=False) == sample
+    if shipped.get_vocab_size() > DEMO_VOCAB_SIZE:  # the served tokenizer is the cheap one
+        assert len(sample) / len(shipped.encode(sample).ids) >= 2.8
     verse = "Ham. To be, or not to be: that is the question:\nWhether 'tis nobler in the mind\n"
     assert set(_cuts(new, verse)) <= set(_cuts(old, verse))
