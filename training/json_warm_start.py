@@ -135,6 +135,17 @@ def train_and_save(
     return result, bpb
 
 
+def write_record(out: Path, record: dict, started: float, result: TrainResult) -> float:
+    """``out/training.json``: the stage's ``record``, its wall time, torch and the loss log.
+    Returns the wall seconds."""
+    seconds = round(time.monotonic() - started, 1)
+    record |= {"wall_seconds": seconds, "torch": torch.__version__, **result.to_dict()}
+    with open(out / "training.json", "w", encoding="utf-8") as f:
+        json.dump(record, f, indent=1)
+        f.write("\n")
+    return seconds
+
+
 def resume(args: argparse.Namespace, cfg: TrainConfig) -> int:
     """Fine-tune the extended checkpoint ``args.resume`` further (a second stage)."""
     torch.set_num_threads(1)
@@ -159,14 +170,9 @@ def resume(args: argparse.Namespace, cfg: TrainConfig) -> int:
             "eos_weight": args.eos_weight,
             "heldout_bits_per_byte": round(bpb, 4),
         },
-        "wall_seconds": round(time.monotonic() - started, 1),
-        "torch": torch.__version__,
-        **result.to_dict(),
     }
-    with open(out / "training.json", "w", encoding="utf-8") as f:
-        json.dump(record, f, indent=1)
-        f.write("\n")
-    print(f"wrote {out} in {record['wall_seconds']:.0f} s", flush=True)
+    seconds = write_record(out, record, started, result)
+    print(f"wrote {out} in {seconds:.0f} s", flush=True)
     return 0
 
 
@@ -239,16 +245,11 @@ def main(argv: list[str] | None = None) -> int:
                 "finetuned": round(bpb_new, 4),
             },
         },
-        "wall_seconds": round(time.monotonic() - started, 1),
-        "torch": torch.__version__,
-        **result.to_dict(),
     }
-    with open(out / "training.json", "w", encoding="utf-8") as f:
-        json.dump(record, f, indent=1)
-        f.write("\n")
+    seconds = write_record(out, record, started, result)
     final = result.log[-1].heldout_loss  # the last step always evaluates
     assert final is not None
-    print(f"wrote {out} in {record['wall_seconds']:.0f} s; heldout ppl {math.exp(final):.1f}")
+    print(f"wrote {out} in {seconds:.0f} s; heldout ppl {math.exp(final):.1f}")
     return 0
 
 
