@@ -110,18 +110,17 @@ def main() -> None:
             f"{r['engine_steps']} engine steps, {r['op_calls_per_step']:.0f} op calls"
         )
         _print_top(r)
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(r, indent=2) + "\n")
-        return
-    results = []
-    for batch in args.batch:
-        r = profile_decode(model, batch, args.steps, args.top)
-        results.append(r)
-        print(
-            f"batch {batch}: {r['step_ms']:.1f} ms/step (profiled), "
-            f"{r['op_calls_per_step']:.0f} op calls/step"
-        )
-        _print_top(r)
+        results: dict | list[dict] = r
+    else:
+        results = []
+        for batch in args.batch:
+            r = profile_decode(model, batch, args.steps, args.top)
+            results.append(r)
+            print(
+                f"batch {batch}: {r['step_ms']:.1f} ms/step (profiled), "
+                f"{r['op_calls_per_step']:.0f} op calls/step"
+            )
+            _print_top(r)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(results, indent=2) + "\n")
 

@@ -72,19 +72,24 @@ def routed_expert_bytes(model) -> tuple[int, int]:
     return held, whole
 
 
+def join_gloo(rank: int, world: int, port: int) -> None:
+    """One thread, and this rank in a loopback gloo group of ``world`` processes."""
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=TIMEOUT_S),
+    )
+
+
 def _rank(rank: int, world: int, port: int, job: Job, out: mp.Queue) -> None:
     try:
         from engine.checkpoint import load_checkpoint
         from engine.model.parallel import world_parallel
 
-        torch.set_num_threads(1)
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=timedelta(seconds=TIMEOUT_S),
-        )
+        join_gloo(rank, world, port)
         results = []
         for tp, ep, quantization in job.topologies:
             parallel = world_parallel(tp, ep)

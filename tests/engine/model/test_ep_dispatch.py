@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import traceback
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-from parallel_helpers import free_port
+from parallel_helpers import free_port, join_gloo
 
 from engine.model.ep_dispatch import ep_moe
 from engine.model.parallel import Parallel, expert_range
@@ -59,14 +58,7 @@ def _inputs(rank: int, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
 
 def _rank(rank: int, port: int, out: mp.Queue) -> None:
     try:
-        torch.set_num_threads(1)
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=WORLD,
-            timeout=timedelta(seconds=TIMEOUT_S),
-        )
+        join_gloo(rank, WORLD, port)
         p = Parallel(ep_rank=rank, ep_size=WORLD, ep_dispatch=True)
         first, stop = p.experts(E)
         results = []
