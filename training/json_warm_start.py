@@ -6,7 +6,8 @@
         --mix 0.4,0.1 --lr 3e-4 --warmup 10 --served-ends --short-replies 0.5 --eos-weight 3 \
         --minutes 25                                           # the committed demo (issue 19)
 
-(or ``flashserve train-demo --out /tmp/base`` to rebuild that base from nothing).
+(or ``flashserve train-demo --base-only --out /tmp/base`` to rebuild that base from
+nothing; without ``--base-only`` it runs all three steps).
 Reads the 4,096-id demo checkpoint, appends ``NEW_IDS`` BPE merges
 learnt on tool-call conversations (bpe_extend.py; the old merges keep their
 ranks, so play text tokenises almost as before), grows the model onto the new

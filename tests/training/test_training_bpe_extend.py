@@ -105,7 +105,6 @@ def test_the_demo_recipe_makes_the_json_sample_cheap() -> None:
     assert len(sample) / len(old.encode(sample).ids) < 1.9
     assert len(sample) / len(ids) >= 2.79
     assert new.decode(ids, skip_special_tokens=False) == sample
-    if shipped.get_vocab_size() > DEMO_VOCAB_SIZE:  # the served tokenizer is the cheap one
-        assert len(sample) / len(shipped.encode(sample).ids) >= 2.8
+    assert len(sample) / len(shipped.encode(sample).ids) >= 2.8  # the served tokenizer
     verse = "Ham. To be, or not to be: that is the question:\nWhether 'tis nobler in the mind\n"
     assert set(_cuts(new, verse)) <= set(_cuts(old, verse))
