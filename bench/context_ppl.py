@@ -34,10 +34,10 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from engine.checkpoint import load_checkpoint
-from engine.model.model import DeepseekV41
-from engine.model.reference import KVPrecision, forward
-from engine.tokenizer import load_tokenizer
+from engine.loader.checkpoint import load_checkpoint
+from engine.loader.tokenizer import load_tokenizer
+from engine.model.deepseek_v41.model import DeepseekV41
+from engine.model.deepseek_v41.reference import KVPrecision, forward
 from training.corpus import load_corpus
 from training.data import encode_play
 from training.demo_config import demo_checkpoint_dir

@@ -67,10 +67,10 @@ def _ab_many(
 
 
 def _batch(model, batch: int, steps: int) -> tuple[dict, float]:
-    from engine.engine_config import EngineConfig
-    from engine.llm_engine import LLMEngine
-    from engine.request import Request
-    from engine.sampling_params import SamplingParams
+    from engine.api.request import Request
+    from engine.api.sampling_params import SamplingParams
+    from engine.config import EngineConfig
+    from engine.core.llm_engine import LLMEngine
 
     engine = LLMEngine.build(EngineConfig(max_num_seqs=batch, kv_cache_bytes=256 << 20), model)
     gen = torch.Generator().manual_seed(4)
@@ -91,7 +91,7 @@ def _batch(model, batch: int, steps: int) -> tuple[dict, float]:
 
 def _context(model, context: int, steps: int) -> Callable[[], None]:
     from bench.engine_bench import synthetic_context
-    from engine.step import StepBatch
+    from engine.core.step import StepBatch
 
     kv, runner, seq = synthetic_context(model, context, 2 * steps + 8)
 

@@ -4,13 +4,13 @@
 
 For each batch size B: B greedy requests through two engines over the same
 model, one with ``enforce_eager=True`` and one with decode graphs captured for
-B (engine/cuda_graphs.py); the mean time of the decode-only steps (the first
+B (engine/runner/cuda_graphs.py); the mean time of the decode-only steps (the first
 two of each run left out) and the capture time are printed. Exit 1 when any
 request's tokens differ between the two: a batch of exactly a bucket's size has
 no padding, so both paths run the same kernels on the same shapes.
 
 ``--backend record`` (CPU) swaps the CUDA backend for the recording one
-(engine/graph_capture.py): the CI check of this script, not a speed figure.
+(engine/runner/graph_capture.py): the CI check of this script, not a speed figure.
 ``bench/gpu_smoke.py`` runs this script on CUDA (docs/design/kernels.md).
 """
 
@@ -28,15 +28,15 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from engine.checkpoint import load_checkpoint  # noqa: E402
-from engine.checkpoint_writer import make_tiny  # noqa: E402
-from engine.cuda_graphs import DecodeGraphs  # noqa: E402
-from engine.engine_config import EngineConfig  # noqa: E402
-from engine.graph_capture import RecordingGraphBackend  # noqa: E402
-from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.request import Request  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from engine.tokenizer import load_tokenizer  # noqa: E402
+from engine.api.request import Request  # noqa: E402
+from engine.api.sampling_params import SamplingParams  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
+from engine.core.llm_engine import LLMEngine  # noqa: E402
+from engine.loader.checkpoint import load_checkpoint  # noqa: E402
+from engine.loader.checkpoint_writer import make_tiny  # noqa: E402
+from engine.loader.tokenizer import load_tokenizer  # noqa: E402
+from engine.runner.cuda_graphs import DecodeGraphs  # noqa: E402
+from engine.runner.graph_capture import RecordingGraphBackend  # noqa: E402
 
 
 def _sync(device: str) -> None:

@@ -46,10 +46,10 @@ def _decode_batch(model, batch: int, steps: int) -> dict[str, float]:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from engine.engine_config import EngineConfig
-    from engine.llm_engine import LLMEngine
-    from engine.request import Request
-    from engine.sampling_params import SamplingParams
+    from engine.api.request import Request
+    from engine.api.sampling_params import SamplingParams
+    from engine.config import EngineConfig
+    from engine.core.llm_engine import LLMEngine
 
     engine = LLMEngine.build(EngineConfig(max_num_seqs=batch, kv_cache_bytes=256 << 20), model)
     gen = torch.Generator().manual_seed(4)
@@ -88,8 +88,8 @@ def _context_step(model, context: int, steps: int) -> tuple[float, float]:
     import torch
 
     from bench.engine_bench import _manager, _sequence
-    from engine.model_runner import PagedModelRunner
-    from engine.step import StepBatch
+    from engine.core.step import StepBatch
+    from engine.runner.model_runner import PagedModelRunner
     from kernels.kv_cache_ops import store_kv_entries
 
     config = model.config

@@ -46,7 +46,7 @@ from bench.serving.driver import Arrivals, run_workload  # noqa: E402
 from bench.serving.launch import LaunchedServer, ServerSpec  # noqa: E402
 from bench.serving.metrics import compute_metrics  # noqa: E402
 from bench.serving.workloads import workload_from_args  # noqa: E402
-from engine.tokenizer import load_tokenizer  # noqa: E402
+from engine.loader.tokenizer import load_tokenizer  # noqa: E402
 
 HEADLINE = (
     ("mean_ttft_ms", "mean TTFT (ms)"),

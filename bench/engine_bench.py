@@ -27,26 +27,26 @@ from pathlib import Path
 
 import torch
 
-from engine.engine_config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.model.config import ModelConfig
-from engine.model.model import DeepseekV41
-from engine.model.replay import ReplayPlan
-from engine.model_runner import PagedModelRunner
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
-from engine.step import PrefillChunk, StepBatch
+from engine.api.request import Request
+from engine.api.sampling_params import SamplingParams
+from engine.config import EngineConfig
+from engine.core.llm_engine import LLMEngine
+from engine.core.sequence import Sequence
+from engine.core.step import PrefillChunk, StepBatch
+from engine.model.deepseek_v41.config import ModelConfig
+from engine.model.deepseek_v41.model import DeepseekV41
+from engine.model.semantics.replay import ReplayPlan
+from engine.runner.model_runner import PagedModelRunner
 from kernels.kv_cache_ops import store_kv_entries
-from kvstore.layout import kv_layout
+from kvstore.device.layout import kv_layout
 from kvstore.manager import KVCacheManager
 
 PAGE = 64
 
 
 def tiny_model(config: ModelConfig | None = None, seed: int = 0) -> DeepseekV41:
-    from engine.model.engram import build_compressed_vocab
-    from engine.tokenizer import load_tokenizer
+    from engine.loader.tokenizer import load_tokenizer
+    from engine.model.deepseek_v41.engram import build_compressed_vocab
 
     model = DeepseekV41(config or ModelConfig.tiny())
     model.init_weights(torch.Generator().manual_seed(seed))

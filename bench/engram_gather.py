@@ -40,7 +40,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from engine.model.engram_table import MappedEngramTable, tensor_span  # noqa: E402
+from engine.model.deepseek_v41.engram_table import MappedEngramTable, tensor_span  # noqa: E402
 
 HEAD_DIM = 256  # official engram_head_dim
 ROWS_PER_TOKEN = 24  # 3 orders x 8 heads, per Engram layer

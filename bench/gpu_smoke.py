@@ -38,13 +38,13 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from engine.checkpoint import load_checkpoint  # noqa: E402
-from engine.checkpoint_writer import make_tiny  # noqa: E402
-from engine.engine_config import EngineConfig  # noqa: E402
-from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.request import Request  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from engine.tokenizer import load_tokenizer  # noqa: E402
+from engine.api.request import Request  # noqa: E402
+from engine.api.sampling_params import SamplingParams  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
+from engine.core.llm_engine import LLMEngine  # noqa: E402
+from engine.loader.checkpoint import load_checkpoint  # noqa: E402
+from engine.loader.checkpoint_writer import make_tiny  # noqa: E402
+from engine.loader.tokenizer import load_tokenizer  # noqa: E402
 
 FIRST_STEP_LIMIT = 0.1  # |dlogit| of the first step (the prefill's output) that fails the run
 

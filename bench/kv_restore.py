@@ -123,14 +123,14 @@ def bench_model(tokens: list[int], hit_tokens: int, recompute_runs: int) -> dict
     chunks of 512 and commits its pages; the replay is a second request whose
     plan finds those pages (H = hit_tokens) and runs only the replay plan's rows.
     """
-    from engine.model.config import ModelConfig
-    from engine.model.engram import build_compressed_vocab
-    from engine.model.model import DeepseekV41
-    from engine.model.replay import ReplayPlan
-    from engine.model_runner import PagedModelRunner
-    from engine.sequence import Sequence
-    from engine.step import PrefillChunk, StepBatch
-    from engine.tokenizer import load_tokenizer
+    from engine.core.sequence import Sequence
+    from engine.core.step import PrefillChunk, StepBatch
+    from engine.loader.tokenizer import load_tokenizer
+    from engine.model.deepseek_v41.config import ModelConfig
+    from engine.model.deepseek_v41.engram import build_compressed_vocab
+    from engine.model.deepseek_v41.model import DeepseekV41
+    from engine.model.semantics.replay import ReplayPlan
+    from engine.runner.model_runner import PagedModelRunner
 
     cfg = ModelConfig.tiny()
     model = DeepseekV41(cfg)
@@ -175,7 +175,7 @@ def bench_model(tokens: list[int], hit_tokens: int, recompute_runs: int) -> dict
         replay.append(prefill(f"warm{i}", f"run{i}"))
     return {
         "available": True,
-        "path": "engine.model_runner.PagedModelRunner (tiny, fp32, CPU, chunks of 512)",
+        "path": "engine.runner.model_runner.PagedModelRunner (tiny, fp32, CPU, chunks of 512)",
         "recompute_seconds": recompute,
         "recompute_seconds_median": statistics.median(recompute),
         "replay_rows": n - replay_plan.encoder_start,

@@ -40,7 +40,7 @@ if str(REPO) not in sys.path:
 
 from safetensors.torch import save_file  # noqa: E402
 
-from engine.checkpoint import (  # noqa: E402
+from engine.loader.checkpoint import (  # noqa: E402
     INDEX_FILE,
     WeightFormat,
     empty_model,
@@ -48,7 +48,7 @@ from engine.checkpoint import (  # noqa: E402
     stored_shapes,
     weight_format,
 )
-from engine.model.config import ModelConfig, engram_table_primes  # noqa: E402
+from engine.model.deepseek_v41.config import ModelConfig, engram_table_primes  # noqa: E402
 
 SHARD_SLACK = 1.3  # peak RSS allowance per byte of the largest shard
 
@@ -186,10 +186,10 @@ def measure(checkpoint: Path, dtype: str, progress: bool) -> dict[str, Any]:
     interpreter: the peak (VmHWM) counts from the process start."""
     import logging
 
-    from engine.checkpoint import load_checkpoint
+    from engine.loader.checkpoint import load_checkpoint
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("engine.weight_stream").setLevel(logging.INFO)
+    logging.getLogger("engine.loader.weight_stream").setLevel(logging.INFO)
     torch.set_num_threads(1)
     baseline = _status_bytes("VmRSS")
     started = time.perf_counter()
@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         result, stderr = run_child(tmp / "ckpt", args.dtype, progress=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    summary = [line for line in stderr.splitlines() if "engine.weight_stream" in line]
+    summary = [line for line in stderr.splitlines() if "engine.loader.weight_stream" in line]
     print("\n".join(summary))
     result |= {"dtype": args.dtype, "config": {"n_routed_experts": config.n_routed_experts}}
     for key, value in result.items():

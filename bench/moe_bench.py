@@ -3,7 +3,7 @@
 The old layout (one ``Expert`` module, three ``nn.Linear``, per routed expert,
 a Python loop with a ``torch.where`` and an ``index_add_`` per active expert)
 lives on only here, as ``LoopMoE``: the baseline of this benchmark and the
-oracle of tests/engine/model/test_moe.py. Timed, per batch (decode rows):
+oracle of tests/engine/model/deepseek_v41/test_moe.py. Timed, per batch (decode rows):
 
 - ``loop``: ``LoopMoE`` (fp32 weights);
 - ``fused``: ``MoE`` with stacked fp32 experts (``quantization="none"``);
@@ -38,8 +38,8 @@ from torch import nn
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from engine.model.config import ModelConfig  # noqa: E402
-from engine.model.moe import Expert, MoE  # noqa: E402
+from engine.model.deepseek_v41.config import ModelConfig  # noqa: E402
+from engine.model.deepseek_v41.moe import Expert, MoE  # noqa: E402
 from engine.model.precision import compute_dtype, upcast  # noqa: E402
 
 
@@ -137,8 +137,8 @@ def run_model(tokens: list[int], repeats: int) -> list[dict]:
     """Forward of the tiny checkpoint, packed experts vs dequantised, timed in turn."""
     if not tokens:
         return []
-    from engine.checkpoint import load_checkpoint
-    from engine.checkpoint_writer import make_tiny
+    from engine.loader.checkpoint import load_checkpoint
+    from engine.loader.checkpoint_writer import make_tiny
 
     with tempfile.TemporaryDirectory() as tmp:
         path = make_tiny(Path(tmp) / "tiny")

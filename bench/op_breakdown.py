@@ -24,11 +24,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import engine.model.attention as attention
-import engine.model.indexer as indexer
-import engine.model.layer as layer
-import engine.model.moe as moe
-import engine.paged_backend as paged
+import engine.model.deepseek_v41.attention as attention
+import engine.model.deepseek_v41.indexer as indexer
+import engine.model.deepseek_v41.layer as layer
+import engine.model.deepseek_v41.moe as moe
+import engine.runner.paged_backend as paged
 
 # (owner, attribute, label): each wrapped for the duration of one breakdown.
 _SITES = [
@@ -65,10 +65,10 @@ class _Count(TorchDispatchMode):
 
 def breakdown(model, batch: int = 1) -> collections.Counter:
     """Dispatched operations of one decode step at ``batch``, by source."""
-    from engine.engine_config import EngineConfig
-    from engine.llm_engine import LLMEngine
-    from engine.request import Request
-    from engine.sampling_params import SamplingParams
+    from engine.api.request import Request
+    from engine.api.sampling_params import SamplingParams
+    from engine.config import EngineConfig
+    from engine.core.llm_engine import LLMEngine
 
     engine = LLMEngine.build(EngineConfig(max_num_seqs=batch, kv_cache_bytes=256 << 20), model)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

@@ -22,11 +22,11 @@ from pathlib import Path
 
 import torch
 
-from engine.builder import build_engine
-from engine.checkpoint_writer import make_tiny
-from engine.engine_config import EngineConfig
-from engine.request import Request
-from engine.sampling_params import SamplingParams
+from engine.api.request import Request
+from engine.api.sampling_params import SamplingParams
+from engine.config import EngineConfig
+from engine.loader.builder import build_engine
+from engine.loader.checkpoint_writer import make_tiny
 
 TOPOLOGIES = {
     "1 process": {},

@@ -28,10 +28,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.engine_bench import tiny_model  # noqa: E402
-from engine.engine_config import EngineConfig  # noqa: E402
-from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.request import Request  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.api.request import Request  # noqa: E402
+from engine.api.sampling_params import SamplingParams  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
+from engine.core.llm_engine import LLMEngine  # noqa: E402
 
 
 def profile_decode(model, batch: int, steps: int, top: int) -> dict:

@@ -16,7 +16,7 @@ trained demo checkpoint (models/demo) and the two held-out plays of its corpus:
     compressed entry (index_topk and candidate_topk_blocks raised past the
     sequence), every row, exact KV; the reference here is the dense model.
 
-Every figure comes from the dense reference (engine/model/reference.py),
+Every figure comes from the dense reference (engine/model/deepseek_v41/reference.py),
 which implements the same four semantics the engine is tested equal to. KL is
 KL(reference || variant) per scored row, in nats, averaged. A ratio's
 +- is two standard errors over windows (windows are independent text).
@@ -40,10 +40,10 @@ from pathlib import Path
 
 import torch
 
-from engine.checkpoint import load_checkpoint
-from engine.model.model import DeepseekV41
-from engine.model.reference import GlobalKV, KVPrecision, ReplayPlan, forward
-from engine.tokenizer import load_tokenizer
+from engine.loader.checkpoint import load_checkpoint
+from engine.loader.tokenizer import load_tokenizer
+from engine.model.deepseek_v41.model import DeepseekV41
+from engine.model.deepseek_v41.reference import GlobalKV, KVPrecision, ReplayPlan, forward
 from training.corpus import load_corpus
 from training.data import heldout_windows
 from training.demo_config import demo_checkpoint_dir

@@ -22,10 +22,10 @@ from pathlib import Path
 
 import torch
 
-from engine.checkpoint import load_checkpoint
-from engine.model.model import DeepseekV41
-from engine.model.reference import KVPrecision, ReplayPlan, forward
-from engine.tokenizer import load_tokenizer
+from engine.loader.checkpoint import load_checkpoint
+from engine.loader.tokenizer import load_tokenizer
+from engine.model.deepseek_v41.model import DeepseekV41
+from engine.model.deepseek_v41.reference import KVPrecision, ReplayPlan, forward
 from training.corpus import load_corpus
 from training.data import heldout_windows
 from training.demo_config import demo_checkpoint_dir

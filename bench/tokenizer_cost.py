@@ -19,7 +19,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from engine.tokenizer import load_tokenizer
+from engine.loader.tokenizer import load_tokenizer
 from training.bpe_extend import base_tokenizer
 from training.corpus import load_corpus
 from training.demo_config import DEMO_VOCAB_SIZE, demo_checkpoint_dir

@@ -94,7 +94,7 @@ def _import_path() -> None:
 
 
 def _tokenizer(args: argparse.Namespace) -> Any:
-    from engine.tokenizer import TOKENIZER_FILE, load_tokenizer
+    from engine.loader.tokenizer import TOKENIZER_FILE, load_tokenizer
 
     if args.tokenizer:
         return load_tokenizer(args.tokenizer)

@@ -32,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "model", help="`tiny`, `official`, a config.json, or a checkpoint directory"
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    plan = parser.add_argument_group("memory plan (engine/memory_plan.py)")
+    plan = parser.add_argument_group("memory plan (engine/planning/memory_plan.py)")
     plan.add_argument(
         "--plan",
         action="store_true",
@@ -100,7 +100,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def checkpoint_summary(path: Path) -> dict[str, Any]:
     """What a checkpoint directory stores: tensors and bytes per dtype, skipped kinds."""
-    from engine.checkpoint import iter_checkpoint_tensors, skipped_kind
+    from engine.loader.checkpoint import iter_checkpoint_tensors, skipped_kind
 
     by_dtype: dict[str, dict[str, int]] = {}
     skipped: dict[str, int] = {}
@@ -123,9 +123,9 @@ def checkpoint_summary(path: Path) -> dict[str, Any]:
 
 def report(model: str) -> dict[str, Any]:
     """The JSON object ``inspect --json`` prints."""
-    from engine.accounting import account
-    from engine.checkpoint import INDEX_FILE, SINGLE_FILE
-    from engine.model.config import ModelConfig
+    from engine.loader.checkpoint import INDEX_FILE, SINGLE_FILE
+    from engine.model.deepseek_v41.config import ModelConfig
+    from engine.planning.accounting import account
 
     config = ModelConfig.preset(model)
     out: dict[str, Any] = {"model": model, **account(config).to_dict()}
@@ -175,7 +175,7 @@ def _dash(value: int | None) -> str:
 
 def plan_topology(args: argparse.Namespace) -> tuple[int, Any]:
     """(devices, ``Topology`` or None) from the plan flags; None: ``memory_plan``'s default."""
-    from engine.memory_plan import PlanError, Topology
+    from engine.planning.memory_plan import PlanError, Topology
 
     given = (
         args.tensor_parallel_size is not None
@@ -197,14 +197,14 @@ def plan_topology(args: argparse.Namespace) -> tuple[int, Any]:
 
 def plan_report(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
     """(the JSON object, the printed lines) of ``inspect --plan``."""
-    from engine.memory_plan import (
+    from engine.model.deepseek_v41.config import ModelConfig
+    from engine.planning.memory_plan import (
         GIB,
         compared_topologies,
         format_comparison,
         format_plan,
         memory_plan,
     )
-    from engine.model.config import ModelConfig
 
     config = ModelConfig.preset(args.model)
     devices, topology = plan_topology(args)
@@ -220,7 +220,7 @@ def plan_report(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
             memory_plan(config, devices, memory, topology=t, **options)
             for t in compared_topologies(devices, args.nnodes, config)
         ]
-        from engine.ep_traffic import ep_traffic_of, format_ep_traffic
+        from engine.planning.ep_traffic import ep_traffic_of, format_ep_traffic
 
         data: dict[str, Any] = {"model": args.model, "plans": [p.to_dict() for p in plans]}
         lines = format_comparison(plans)
@@ -235,7 +235,7 @@ def plan_report(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
 
 def run(args: argparse.Namespace) -> int:
     if args.plan:
-        from engine.memory_plan import PlanError
+        from engine.planning.memory_plan import PlanError
 
         try:
             data, lines = plan_report(args)

@@ -17,7 +17,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine.checkpoint_writer import make_tiny
+    from engine.loader.checkpoint_writer import make_tiny
 
     print(make_tiny(args.out, args.seed, shard_bytes=args.shard_bytes))
     return 0

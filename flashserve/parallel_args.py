@@ -1,7 +1,7 @@
 """``flashserve serve``'s parallel-serving flags, and what a node other than node 0 runs.
 
 Node 0 runs the API and the engine core, which starts that node's worker ranks
-itself (engine/executor.py). Every other node runs the same command with its
+itself (engine/parallel/executor.py). Every other node runs the same command with its
 ``--node-rank``: it starts its own ranks, which connect to node 0's engine core
 (``--master-addr``, port ``--master-port`` + 1) and to torch.distributed
 (``--master-port``), and serves no API. Defaults come from torchrun's
@@ -108,8 +108,8 @@ def run_node_workers(config: Any, path: Path, say) -> int:
     Returns when they all exit (the engine core stopped them, or it is gone);
     if one fails the rest are stopped. SIGTERM / SIGINT stop them all.
     """
-    from engine.builder import checkpoint_fingerprint
-    from engine.executor import start_worker, worker_specs
+    from engine.loader.builder import checkpoint_fingerprint
+    from engine.parallel.executor import start_worker, worker_specs
 
     specs = worker_specs(
         config, str(path), checkpoint_fingerprint(path), config.master_port, config.master_port + 1

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import uvicorn
 
-    from engine.engine_config import EngineConfig
-    from server.pricing import PriceTable
+    from engine.config import EngineConfig
+    from server.openai.pricing import PriceTable
     from server.settings import ServerSettings
 
 NAME = "serve"
@@ -89,7 +89,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "the Gateway API inference extension and llm-d (docs/metrics.md)",
     )
 
-    cost = parser.add_argument_group("cost (server/pricing.py): usage.cost and cost counters")
+    cost = parser.add_argument_group(
+        "cost (server/openai/pricing.py): usage.cost and cost counters"
+    )
     cost.add_argument(
         "--prices",
         default=None,
@@ -317,7 +319,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The ``EngineConfig`` the flags describe."""
-    from engine.engine_config import EngineConfig
+    from engine.config import EngineConfig
     from flashserve.parallel_args import parallel_fields
 
     return EngineConfig(
@@ -386,7 +388,7 @@ def uvicorn_config(app: object, args: argparse.Namespace) -> uvicorn.Config:
     """uvicorn's settings: the address, and the bounds on slow clients and on shutdown."""
     import uvicorn
 
-    from server.http_timeouts import header_timeout_protocol
+    from server.http.timeouts import header_timeout_protocol
 
     return uvicorn.Config(
         app,  # type: ignore[arg-type]
@@ -401,7 +403,7 @@ def uvicorn_config(app: object, args: argparse.Namespace) -> uvicorn.Config:
 
 def price_table(args: argparse.Namespace) -> PriceTable | None:
     """The price table ``--price-file`` or ``--prices`` gives; None without either."""
-    from server.pricing import PriceTable
+    from server.openai.pricing import PriceTable
 
     if args.price_file and args.prices:
         raise SystemExit("flashserve serve: give --prices or --price-file, not both")
@@ -436,7 +438,7 @@ def tiny_checkpoint(seed: int, root: Path) -> Path:
     directory that exists is complete (an interrupted first run leaves only
     the temporary, which the next run replaces).
     """
-    from engine.checkpoint_writer import make_tiny
+    from engine.loader.checkpoint_writer import make_tiny
 
     path = root / f"tiny-seed{seed}"
     if (path / "config.json").is_file():
@@ -477,9 +479,9 @@ def run(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from engine.async_engine import AsyncEngine
-    from engine.builder import checkpoint_fingerprint
-    from engine.core_client import EngineClient, EngineCoreClient
+    from engine.api.async_engine import AsyncEngine
+    from engine.api.core_client import EngineClient, EngineCoreClient
+    from engine.loader.builder import checkpoint_fingerprint
     from server.app import create_app
 
     started = time.monotonic()
@@ -510,8 +512,8 @@ def run(args: argparse.Namespace) -> int:
     )
     # The loader's one-line summary (bytes per device, s, GB/s) shows without -v; on a
     # terminal its progress bar (stderr) replaces the heartbeat lines.
-    logging.getLogger("engine.weight_stream").setLevel(logging.INFO)
-    from engine.weight_stream import show_progress
+    logging.getLogger("engine.loader.weight_stream").setLevel(logging.INFO)
+    from engine.loader.weight_stream import show_progress
 
     in_process = in_process_engine(args)
     beat = _Heartbeat("loading the checkpoint", started, enabled=not show_progress(None))
@@ -554,12 +556,12 @@ def check_memory_plan(args: argparse.Namespace, path: Path) -> str | None:
     """Print the memory plan of ``path``'s config on ``--device``; why it cannot start, or None.
 
     On the topology of the parallel flags (one device without them). The weights
-    are planned packed, as the release stores them (engine/memory_plan.py). On
+    are planned packed, as the release stores them (engine/planning/memory_plan.py). On
     ``cpu`` the host is the device: its physical memory (or ``--device-memory-gib``),
     less the Engram tables that live in host memory too.
     """
-    from engine.memory_plan import GIB, format_plan, memory_plan, weight_bytes
-    from engine.model.config import ModelConfig
+    from engine.model.deepseek_v41.config import ModelConfig
+    from engine.planning.memory_plan import GIB, format_plan, memory_plan, weight_bytes
 
     try:
         model = ModelConfig.from_json(path)
@@ -568,7 +570,7 @@ def check_memory_plan(args: argparse.Namespace, path: Path) -> str | None:
     device = args.device
     memory = None if args.device_memory_gib is None else int(args.device_memory_gib * GIB)
     if memory is None:
-        from engine.memory_plan import detected_memory_bytes
+        from engine.planning.memory_plan import detected_memory_bytes
 
         memory = detected_memory_bytes(device)
         if memory is not None and device.startswith("cpu"):
@@ -577,7 +579,7 @@ def check_memory_plan(args: argparse.Namespace, path: Path) -> str | None:
         _say(f"memory plan: cannot tell the memory of {device}; give --device-memory-gib")
         return None
     try:
-        from engine.memory_plan import Topology
+        from engine.planning.memory_plan import Topology
 
         topology = Topology(
             args.tensor_parallel_size,
@@ -628,7 +630,7 @@ def _run_router(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from server.router import RouterSettings, create_router_app
+    from server.disagg.router import RouterSettings, create_router_app
 
     router = RouterSettings(
         prefill_urls=tuple(args.prefill_url),

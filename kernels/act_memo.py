@@ -81,7 +81,7 @@ def quantize_act_shared(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 @contextmanager
 def suspended() -> Iterator[None]:
     """No memo inside (this thread): every call quantises, so a captured graph holds the
-    quantisation of its own inputs (engine/cuda_graphs.py)."""
+    quantisation of its own inputs (engine/runner/cuda_graphs.py)."""
     _MEMO.suspended += 1
     _MEMO.entries.clear()
     try:

@@ -109,7 +109,7 @@ def enabled() -> bool:
 def suspended() -> Iterator[None]:
     """No C calls inside (this thread): the eager tensor ops run instead. A graph capture
     records tensor operations; a C call on raw pointers would be missing from it, so a
-    captured piece must not make one (engine/cuda_graphs.py)."""
+    captured piece must not make one (engine/runner/cuda_graphs.py)."""
     _SUSPENDED.depth = getattr(_SUSPENDED, "depth", 0) + 1
     try:
         yield

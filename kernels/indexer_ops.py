@@ -3,7 +3,7 @@
 docs/design/architecture.md §1.7: ``I[t, s] = sum_h w[t, h] * relu(qi[t, h] . k[s])`` over the
 entries s visible to row t; the candidate source then ranks blocks of
 ``candidate_block_size`` entries by their best score. Top-k and the candidate
-rules stay in ``engine.model.candidates``.
+rules stay in ``engine.model.deepseek_v41.candidates``.
 
 Each public op runs the Triton kernel or the PyTorch reference (``kernels.dispatch``).
 """

@@ -1,6 +1,6 @@
 """Paged global KV: write new entries as FP4 records, read entries back as floats.
 
-Pages are the KV store's ``uint8`` views of one kv source (kvstore/device_pool.py
+Pages are the KV store's ``uint8`` views of one kv source (kvstore/device/device_pool.py
 ``SourcePages``): ``main_data [P, E, 256]``, ``main_scales [P, E, 32]``,
 ``index_data [P, E, 64]``, ``index_scales [P, E, 4]`` (E = entries per page).
 Entry ``j`` of a sequence lives at page ``block_table[j // E]``, slot ``j % E``.

@@ -5,7 +5,7 @@ of its valid SWA keys and its top-k compressed entries (paged FP4 records of
 the layer's kv source). The softmax includes one extra logit ``sink[h]`` whose
 column is dropped, so a row with no keys returns zeros. The keys carry RoPE,
 so the output does too: the caller applies the inverse RoPE to the last 64
-dims (``Attention.project_out``). Same maths as ``engine.model.sink_attention``.
+dims (``Attention.project_out``). Same maths as ``engine.model.deepseek_v41.sink_attention``.
 
 The public op runs the Triton kernel or the PyTorch reference (``kernels.dispatch``).
 """

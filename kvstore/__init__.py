@@ -5,14 +5,14 @@ The engine talks to ``KVCacheManager`` (paged global KV) and ``RequestStatePool`
 described by plain numbers (``kv_layout``).
 """
 
-from kvstore.block_pool import BlockPool, OutOfPages
-from kvstore.device_pool import SourcePages, free_device_bytes, pages_for_bytes
-from kvstore.layout import KVLayout, SourceLayout, kv_layout
+from kvstore.device.block_pool import BlockPool, OutOfPages
+from kvstore.device.device_pool import SourcePages, free_device_bytes, pages_for_bytes
+from kvstore.device.layout import KVLayout, SourceLayout, kv_layout
+from kvstore.device.page_format import pack_records, record_views, unpack_page
+from kvstore.device.page_hash import ROOT_HASH, chain_hashes, page_hash
 from kvstore.manager import KVCacheManager, RestorePlan
-from kvstore.page_format import pack_records, record_views, unpack_page
-from kvstore.page_hash import ROOT_HASH, chain_hashes, page_hash
-from kvstore.persistent import PersistentStore
 from kvstore.request_state import OutOfRequestSlots, RequestStateLayout, RequestStatePool
+from kvstore.ssd.persistent import PersistentStore
 from kvstore.stats import KVStats, SSDStats
 
 __all__ = [

@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvstore.block_pool import BlockPool
-from kvstore.device_pool import DevicePool, SourcePages, pages_for_bytes
-from kvstore.layout import KVLayout
-from kvstore.page_hash import ROOT_HASH, Salt, chain_hashes, salt_bytes
-from kvstore.persistent import PersistentStore
+from kvstore.device.block_pool import BlockPool
+from kvstore.device.device_pool import DevicePool, SourcePages, pages_for_bytes
+from kvstore.device.layout import KVLayout
+from kvstore.device.page_hash import ROOT_HASH, Salt, chain_hashes, salt_bytes
+from kvstore.ssd.persistent import PersistentStore
 from kvstore.stats import KVStats, SSDStats
 
 

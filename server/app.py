@@ -5,7 +5,7 @@ engine; ``flashserve serve`` runs it under uvicorn. Routes are thin: chat and
 completions live in ``serving_chat`` and ``serving_completions``. A prefill
 worker (``settings.role == "prefill"``) serves ``prefill_worker``'s internal
 routes instead of the API; a router has no engine and its own app
-(``server/router.py``). Every failure, including
+(``server/disagg/router.py``). Every failure, including
 FastAPI's own (validation, unknown path, wrong method) and any bug, leaves as
 ``{"error": {...}}`` with DeepSeek's status codes.
 """
@@ -21,29 +21,29 @@ from fastapi import Depends, FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.responses import Response
 
-from engine.core_client import EngineClient
-from server.auth import api_key_dependency
-from server.body_limit import BodySizeLimit
-from server.docs_routes import add_docs_routes
-from server.error_handlers import install_error_handlers
-from server.errors import unavailable
-from server.generation import Admission, ServingContext
-from server.logprobs import TokenTexts
-from server.metrics import CONTENT_TYPE, ServerMetrics
-from server.model_routes import add_model_routes
-from server.prefill_worker import add_prefill_routes
-from server.protocol import (
+from engine.api.core_client import EngineClient
+from server.chat.structured_output import GrammarLimits, StructuredOutputCompiler
+from server.disagg.prefill_worker import add_prefill_routes
+from server.http.auth import api_key_dependency
+from server.http.body_limit import BodySizeLimit
+from server.http.docs_routes import add_docs_routes
+from server.http.error_handlers import install_error_handlers
+from server.http.errors import unavailable
+from server.http.sse import MEDIA_TYPE
+from server.metrics.metrics import CONTENT_TYPE, ServerMetrics
+from server.openai.generation import Admission, ServingContext
+from server.openai.logprobs import TokenTexts
+from server.openai.model_routes import add_model_routes
+from server.openai.protocol import (
     ChatCompletion,
     ChatCompletionRequest,
     Completion,
     CompletionRequest,
     ErrorResponse,
 )
-from server.serving_chat import create_chat_completion
-from server.serving_completions import create_completion
+from server.openai.serving_chat import create_chat_completion
+from server.openai.serving_completions import create_completion
 from server.settings import ServerSettings
-from server.sse import MEDIA_TYPE
-from server.structured_output import GrammarLimits, StructuredOutputCompiler
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorResponse, "description": "Invalid format"},

@@ -1,6 +1,6 @@
 """How the HTTP layer behaves: one dataclass, filled from ``flashserve serve`` flags.
 
-Engine settings live in ``engine.engine_config.EngineConfig``; these are only
+Engine settings live in ``engine.config.EngineConfig``; these are only
 what the server itself decides (who may call it, how large a body may be, how
 often an idle stream is kept alive).
 """
@@ -11,9 +11,9 @@ import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from server.disagg_metrics import ROLES, Role
-from server.model_names import DEFAULT_SERVED_MODEL_NAME
-from server.pricing import PriceTable
+from server.metrics.disagg_metrics import ROLES, Role
+from server.openai.model_names import DEFAULT_SERVED_MODEL_NAME
+from server.openai.pricing import PriceTable
 
 API_KEYS_ENV = "FLASHSERVE_API_KEYS"
 
@@ -33,13 +33,13 @@ class ServerSettings:
     # Requests held at once (streaming or not, running or queued); over it: 429.
     max_concurrent_requests: int | None = None
     # Output budget when a request names none; None = DeepSeek's defaults
-    # (server/model_names.py: 4,096 non-thinking, 32,768 thinking), capped by the context.
+    # (server/openai/model_names.py: 4,096 non-thinking, 32,768 thinking), capped by the context.
     default_max_tokens: int | None = None
     system_fingerprint: str = "fp_flashserve"
     # How often a non-streamed request checks whether its client has gone.
     disconnect_poll_s: float = 0.5
     # both: the colocated server; prefill / decode: a worker of a split deployment
-    # (docs/design/disaggregation.md). A router has settings of its own (server/router.py).
+    # (docs/design/disaggregation.md). A router has settings of its own (server/disagg/router.py).
     role: Role = "both"
     # Prefill worker: how long a request waits for its pages to become durable on
     # SSD; pages not written by then are left for the decode worker to compute.
@@ -61,7 +61,7 @@ class ServerSettings:
     health_stall_s: float = 30.0
     # A request body not received within this many seconds of its headers gets a 408.
     body_read_timeout_s: float = 60.0
-    # Prices per million tokens (server/pricing.py): usage.cost and the cost counters.
+    # Prices per million tokens (server/openai/pricing.py): usage.cost and the cost counters.
     prices: PriceTable | None = None
     # Also expose the scheduler and cache metrics under vLLM's names (docs/metrics.md).
     vllm_metric_aliases: bool = False

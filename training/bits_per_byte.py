@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer
 
-from engine.model.model import DeepseekV41
-from engine.model.reference import forward
+from engine.model.deepseek_v41.model import DeepseekV41
+from engine.model.deepseek_v41.reference import forward
 from training.bpe import BOS_ID
 from training.trainer import EXACT_KV
 

@@ -4,7 +4,7 @@ Byte-level like DeepSeek's own (xgrammar reads the vocabulary as bytes, the
 detokenizer decodes any id), trained with the ``tokenizers`` library. The
 special tokens take the first ids in ``SPECIAL_TOKENS`` order, so BOS 0, EOS 1
 and pad 2 match the real tokenizer; their strings are the ones the server's
-chat encoding writes (server/chat_encoding.py, server/tool_calls.py).
+chat encoding writes (server/chat/chat_encoding.py, server/chat/tool_calls.py).
 """
 
 from __future__ import annotations

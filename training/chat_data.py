@@ -1,7 +1,7 @@
 """Speeches of a play, and conversations made of them in the V4.1 chat encoding.
 
 A small share of the demo's training text is dialogue rendered exactly as the
-server renders a chat request (server/chat_encoding.py, which a test holds this
+server renders a chat request (server/chat/chat_encoding.py, which a test holds this
 to): consecutive speeches alternate between the user and the assistant, so a
 served chat request gets a reply in verse that ends with EOS. Reasoning is
 always empty: with thinking on the model learns to close ``<think>`` at once.
@@ -13,7 +13,7 @@ import re
 
 from training.bpe import ASSISTANT, BOS, EOS, SYSTEM, THINK_END, THINK_START, USER
 
-# The Reasoning Effort line of a thinking request's system turn (server/chat_encoding.py).
+# The Reasoning Effort line of a thinking request's system turn (server/chat/chat_encoding.py).
 EFFORT_LINE = (
     "Reasoning Effort: {budget} "
     "(range 1-100, the higher the value, the more thorough the reasoning)\n\n"

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 
-from engine.checkpoint_writer import save_checkpoint
-from engine.model.engram import build_compressed_vocab
-from engine.model.model import DeepseekV41
+from engine.loader.checkpoint_writer import save_checkpoint
+from engine.model.deepseek_v41.engram import build_compressed_vocab
+from engine.model.deepseek_v41.model import DeepseekV41
 from training.bpe import PAD_ID, train_bpe, write_tokenizer
 from training.corpus import SDIST_NAME, load_corpus
 from training.data import SequenceSampler, heldout_windows

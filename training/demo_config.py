@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine.model.config import ModelConfig, engram_table_primes
+from engine.model.deepseek_v41.config import ModelConfig, engram_table_primes
 
 DEMO_NAME = "demo"
 DEMO_VOCAB_SIZE = 4096

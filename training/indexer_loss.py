@@ -16,11 +16,11 @@ from __future__ import annotations
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from engine.model.candidates import visible_entries
-from engine.model.compressor import entry_positions
-from engine.model.config import LayerRole
-from engine.model.model import DeepseekV41
-from engine.model.reference import GlobalKV
+from engine.model.deepseek_v41.candidates import visible_entries
+from engine.model.deepseek_v41.compressor import entry_positions
+from engine.model.deepseek_v41.config import LayerRole
+from engine.model.deepseek_v41.model import DeepseekV41
+from engine.model.deepseek_v41.reference import GlobalKV
 
 
 class AttentionInputs:

@@ -41,11 +41,11 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from engine.checkpoint import load_checkpoint
-from engine.checkpoint_writer import save_checkpoint
-from engine.model.config import ModelConfig
-from engine.model.model import DeepseekV41
-from engine.tokenizer import load_tokenizer
+from engine.loader.checkpoint import load_checkpoint
+from engine.loader.checkpoint_writer import save_checkpoint
+from engine.loader.tokenizer import load_tokenizer
+from engine.model.deepseek_v41.config import ModelConfig
+from engine.model.deepseek_v41.model import DeepseekV41
 from training.bits_per_byte import bits_per_byte, heldout_spans
 from training.bpe import write_tokenizer
 from training.bpe_extend import extend_tokenizer

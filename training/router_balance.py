@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from engine.model.model import DeepseekV41
+from engine.model.deepseek_v41.model import DeepseekV41
 
 
 class RouterBalance:

@@ -6,7 +6,7 @@ JSON. The plays hold none of that text, so a tokenizer trained on them spends
 about a token per character on it and the model never sees a call. This
 module draws function schemas from a fixed bank, arguments that satisfy
 them, and renders whole conversations as the server encodes a chat request
-with tools (server/chat_encoding.py and server/tool_calls.py; nothing imports
+with tools (server/chat/chat_encoding.py and server/chat/tool_calls.py; nothing imports
 ``server``, so the template is restated here and a test holds the two
 together), so what the model learns is byte for byte what it is served: a user
 request, the assistant's call, and (sometimes) the tool's JSON result and a
@@ -27,7 +27,7 @@ CALLS_OPEN, CALLS_CLOSE = f"<{DSML} calls>", f"</{DSML} calls>"
 INVOKE_OPEN, INVOKE_CLOSE = f'<{DSML} invoke name="', f"</{DSML} invoke>"
 PARAM_OPEN, PARAM_CLOSE = f'<{DSML} parameter name="', f"</{DSML} parameter>"
 TOOL_RESULT = "<tool_result>{content}</tool_result>"
-# The V4.1 tool block of the system turn (server/tool_calls.py TOOLS_TEMPLATE).
+# The V4.1 tool block of the system turn (server/chat/tool_calls.py TOOLS_TEMPLATE).
 TOOLS_TEMPLATE = f"""## Tools
 
 You have access to a set of tools to help answer the user's question. \

@@ -18,8 +18,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn.functional as F
 
-from engine.model.model import DeepseekV41
-from engine.model.reference import KVPrecision, forward, forward_train
+from engine.model.deepseek_v41.model import DeepseekV41
+from engine.model.deepseek_v41.reference import KVPrecision, forward, forward_train
 from training.bpe import EOS_ID
 from training.data import SequenceSampler
 from training.indexer_loss import AttentionInputs, indexer_kl

@@ -5,7 +5,7 @@ Three parts of the model depend on the vocabulary:
   mean of the rows of the old ids its bytes split into (what the model saw
   for that text before), so it starts out meaning what its pieces meant.
 - Engram: the hash multipliers derive from the number of compressed classes
-  (engine/model/engram.py), which the new tokens grow, so every n-gram lands
+  (engine/model/deepseek_v41/engram.py), which the new tokens grow, so every n-gram lands
   on a different table row. Each new row starts as the mean of the old rows
   that the n-grams of the training plays hashed to before (n-grams of old
   ids only, whose classes are unchanged); rows no such n-gram reaches keep
@@ -18,9 +18,9 @@ from __future__ import annotations
 import torch
 from tokenizers import Tokenizer
 
-from engine.model.config import ModelConfig
-from engine.model.engram import build_compressed_vocab, engram_hash_rows
-from engine.model.model import DeepseekV41
+from engine.model.deepseek_v41.config import ModelConfig
+from engine.model.deepseek_v41.engram import build_compressed_vocab, engram_hash_rows
+from engine.model.deepseek_v41.model import DeepseekV41
 from training.bpe import PAD_ID
 from training.demo_config import demo_config
 

@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import torch
 
+from engine.model.deepseek_v41.routed_experts import RoutedExperts
 from engine.model.parallel import Parallel, expert_range
 from engine.model.precision import compute_dtype, upcast
-from engine.model.routed_experts import RoutedExperts
 
 
 def _pack(rows: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:

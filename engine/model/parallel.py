@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 # What tensor parallelism splits, and along which dimension (0: output rows, 1: input
 # columns). Everything else is replicated on every rank of a TP group. The memory
-# plan (engine/memory_plan.py) and the loader (engine/checkpoint.py) read this rule.
+# plan (engine/planning/memory_plan.py) and the loader (engine/loader/checkpoint.py) read this rule.
 TP_SPLIT: tuple[tuple[re.Pattern[str], int], ...] = (
     (re.compile(r"\.attn\.wq_b\.weight$"), 0),  # query heads
     (re.compile(r"\.attn\.attn_sink$"), 0),  # one sink per query head

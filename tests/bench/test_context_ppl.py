@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from bench.context_ppl import STORED, Score, nll_rows, token_bytes
-from engine.model.config import ModelConfig
-from engine.model.model import DeepseekV41
-from engine.model.reference import forward
-from engine.tokenizer import load_tokenizer
+from engine.loader.tokenizer import load_tokenizer
+from engine.model.deepseek_v41.config import ModelConfig
+from engine.model.deepseek_v41.model import DeepseekV41
+from engine.model.deepseek_v41.reference import forward
 from training.demo_config import demo_checkpoint_dir
 
 

@@ -11,7 +11,7 @@ from serving_fake_server import FakeServer, FakeState
 
 from bench.ced_ttft_http import ttft
 from bench.cpu_kernels_ab import _ab
-from engine.model.mhc import sinkhorn
+from engine.model.deepseek_v41.mhc import sinkhorn
 from kernels import cpu_native
 
 
@@ -43,7 +43,7 @@ def test_ttft_is_the_wait_for_the_first_streamed_token() -> None:
 def test_op_breakdown_charges_operations_to_their_sources() -> None:
     from bench.engine_bench import tiny_model
     from bench.op_breakdown import breakdown
-    from engine.paged_backend import PagedKV
+    from engine.runner.paged_backend import PagedKV
 
     store_swa = PagedKV.store_swa
     torch.set_grad_enabled(False)

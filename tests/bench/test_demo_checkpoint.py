@@ -17,18 +17,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.checkpoint import load_checkpoint
-from engine.checkpoint_writer import save_checkpoint
-from engine.engine_config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.model.config import ModelConfig
-from engine.model.engram import build_compressed_vocab
-from engine.model.reference import reference_generate
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import load_tokenizer
-from server.chat_encoding import encode_chat
-from server.protocol import ChatCompletionRequest
+from engine.api.request import Request
+from engine.api.sampling_params import SamplingParams
+from engine.config import EngineConfig
+from engine.core.llm_engine import LLMEngine
+from engine.loader.checkpoint import load_checkpoint
+from engine.loader.checkpoint_writer import save_checkpoint
+from engine.loader.tokenizer import load_tokenizer
+from engine.model.deepseek_v41.config import ModelConfig
+from engine.model.deepseek_v41.engram import build_compressed_vocab
+from engine.model.deepseek_v41.reference import reference_generate
+from server.chat.chat_encoding import encode_chat
+from server.openai.protocol import ChatCompletionRequest
 from training.bpe import EOS_ID, SPECIAL_TOKENS
 from training.demo_config import demo_checkpoint_dir, demo_config
 

@@ -11,9 +11,9 @@ import pytest
 
 from bench import disagg
 from bench.serving.launch import ServerSpec
-from engine.llm_engine import EngineCounters, EngineStats
+from engine.core.llm_engine import EngineCounters, EngineStats
 from kvstore.stats import KVStats, SSDStats
-from server.metrics import ServerMetrics
+from server.metrics.metrics import ServerMetrics
 
 
 def _metrics(ttft: float, throughput: float) -> dict[str, float]:

@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 
 from bench import moe_bench
-from engine.model.config import ModelConfig
-from engine.model.moe import MoE
+from engine.model.deepseek_v41.config import ModelConfig
+from engine.model.deepseek_v41.moe import MoE
 
 
 def test_loop_baseline_equals_the_fused_layer_in_fp32() -> None:

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from bench.quality import SECTIONS, Tally, _Tallies, dense_indexer, ppl_ratio, run_window
-from engine.model.config import ModelConfig
-from engine.model.model import DeepseekV41
+from engine.model.deepseek_v41.config import ModelConfig
+from engine.model.deepseek_v41.model import DeepseekV41
 
 
 def test_tally_perplexity_and_kl_by_hand() -> None:

@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 
 from bench import restore_drift
-from engine.model.config import ModelConfig
-from engine.model.model import DeepseekV41
-from engine.model.reference import ReplayPlan
+from engine.model.deepseek_v41.config import ModelConfig
+from engine.model.deepseek_v41.model import DeepseekV41
+from engine.model.deepseek_v41.reference import ReplayPlan
 
 
 def _model() -> DeepseekV41:

@@ -27,7 +27,7 @@ from bench.serving.client import (
 from bench.serving.driver import Arrivals, run_workload
 from bench.serving.metrics import counter_deltas
 from bench.serving.workloads import agent_workload, random_workload
-from engine.tokenizer import load_tokenizer
+from engine.loader.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -186,7 +186,7 @@ def test_server_counters_from_prometheus_text() -> None:
 
 def test_server_counters_read_the_servers_own_names() -> None:
     # The server's real exposition (a second code path: prometheus_client's writer).
-    from server.metrics import ServerMetrics
+    from server.metrics.metrics import ServerMetrics
 
     counters = server_counters(ServerMetrics("flash").render().decode())
     assert counters["replay_tokens"] == 0.0

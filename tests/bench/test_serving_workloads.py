@@ -17,7 +17,7 @@ from bench.serving.workloads import (
     shared_prefix_workload,
     workload_from_args,
 )
-from engine.tokenizer import load_tokenizer
+from engine.loader.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import yaml
 
-from engine.llm_engine import EngineCounters, EngineStats
+from engine.core.llm_engine import EngineCounters, EngineStats
 from kvstore.stats import KVStats, SSDStats
-from server.disagg_metrics import FALLBACK_REASONS, Role
-from server.metrics import ServerMetrics
+from server.metrics.disagg_metrics import FALLBACK_REASONS, Role
+from server.metrics.metrics import ServerMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy/grafana/flashserve.json"

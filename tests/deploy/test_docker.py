@@ -142,7 +142,7 @@ def test_dockerignore_keeps_every_copied_path_and_drops_the_rest() -> None:
     for source in copied:
         assert (ROOT / source).exists(), source
         assert not dockerignored(source, patterns), source
-    for sample in ("engine/model/config.py", "kvstore/manager.py"):
+    for sample in ("engine/model/deepseek_v41/config.py", "kvstore/manager.py"):
         assert not dockerignored(sample, patterns)
     for junk in (".venv", ".git", "tests/engine", "bench", "deploy/base", "engine/__pycache__"):
         assert dockerignored(junk, patterns), junk

@@ -17,7 +17,7 @@ import pytest
 import yaml
 from deploy_helpers import RENDER, ROOT
 
-from server.vllm_metrics import GAUGES
+from server.metrics.vllm_metrics import GAUGES
 
 POOL_DIR = ROOT / "deploy/inference-pool"
 SCHEMA = json.loads((POOL_DIR / "inferencepool-v1.schema.json").read_text())
@@ -66,5 +66,5 @@ def test_pool_selects_the_server_pods_on_their_http_port(rendered) -> None:
     (port,) = container["ports"]
     assert [p["number"] for p in pool["targetPorts"]] == [port["containerPort"]]
     assert "--vllm-metric-aliases" in container["args"]
-    # The picker's defaults read these gauges (server/vllm_metrics.py).
+    # The picker's defaults read these gauges (server/metrics/vllm_metrics.py).
     assert {"num_requests_waiting", "num_requests_running", "kv_cache_usage_perc"} <= set(GAUGES)

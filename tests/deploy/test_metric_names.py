@@ -19,7 +19,7 @@ from deploy_helpers import (
 )
 from prometheus_client.parser import text_string_to_metric_families
 
-from server.disagg_metrics import ROLES
+from server.metrics.disagg_metrics import ROLES
 
 
 def exposed_names(scrape: str) -> set[str]:

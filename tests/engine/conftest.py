@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from engine.model.config import ModelConfig
+from engine.model.deepseek_v41.config import ModelConfig
 
 
 @pytest.fixture(scope="session")
@@ -23,9 +23,9 @@ def tiny_model(tiny_config):
     Larger-than-default attention sinks and mHC weights make routing, top-k and
     candidate choices depend visibly on the input (as in tests/engine/model).
     """
-    from engine.model.engram import build_compressed_vocab
-    from engine.model.model import DeepseekV41
-    from engine.tokenizer import load_tokenizer
+    from engine.loader.tokenizer import load_tokenizer
+    from engine.model.deepseek_v41.engram import build_compressed_vocab
+    from engine.model.deepseek_v41.model import DeepseekV41
 
     torch.manual_seed(0)
     model = DeepseekV41(tiny_config)
@@ -57,7 +57,7 @@ def engine_model(tiny_model):
 
 def _cached_oracle(model):
     """``reference_generate`` on ``model``, cached: many tests share prompts."""
-    from engine.model.reference import reference_generate
+    from engine.model.deepseek_v41.reference import reference_generate
 
     cache: dict = {}
 
@@ -81,7 +81,7 @@ def oracle(engine_model):
 @pytest.fixture(scope="session")
 def engine_model64(engine_model):
     """``engine_model`` in float64, for the paged runner's comparisons (see
-    tests/engine/test_model_runner.py: in fp32, rounding noise can tip FP4
+    tests/engine/runner/test_model_runner.py: in fp32, rounding noise can tip FP4
     codes and top-k choices; in float64 it cannot)."""
     return copy.deepcopy(engine_model).double().eval()
 

@@ -8,16 +8,16 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.engine_config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.model.config import ModelConfig
-from engine.model.dense_backend import KVPrecision
-from engine.model_runner import PagedModelRunner
-from engine.reference_runner import ReferenceRunner
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
-from engine.step import StepBatch
-from kvstore.layout import kv_layout
+from engine.api.sampling_params import SamplingParams
+from engine.config import EngineConfig
+from engine.core.llm_engine import LLMEngine
+from engine.core.sequence import Sequence
+from engine.core.step import StepBatch
+from engine.model.deepseek_v41.config import ModelConfig
+from engine.model.kv.dense_backend import KVPrecision
+from engine.runner.model_runner import PagedModelRunner
+from engine.runner.reference_runner import ReferenceRunner
+from kvstore.device.layout import kv_layout
 from kvstore.manager import KVCacheManager
 
 TINY = ModelConfig.tiny()

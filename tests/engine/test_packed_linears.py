@@ -17,9 +17,12 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
-from engine import checkpoint, weight_stream
-from engine.builder import build_engine
-from engine.checkpoint import (
+from engine.api.request import Request
+from engine.api.sampling_params import SamplingParams
+from engine.config import EngineConfig
+from engine.loader import checkpoint, weight_stream
+from engine.loader.builder import build_engine
+from engine.loader.checkpoint import (
     SINGLE_FILE,
     WeightFormat,
     empty_model,
@@ -28,15 +31,17 @@ from engine.checkpoint import (
     skipped_kind,
     weight_format,
 )
-from engine.checkpoint_writer import make_tiny, save_checkpoint, stored_nbytes
-from engine.engine_config import EngineConfig
-from engine.model import attention, indexer
-from engine.model.config import ModelConfig
-from engine.model.fp8_linear import Fp8GroupedLinear, Fp8Linear, linear32, packed_modules
+from engine.loader.checkpoint_writer import make_tiny, save_checkpoint, stored_nbytes
+from engine.model.deepseek_v41 import attention, indexer
+from engine.model.deepseek_v41.config import ModelConfig
+from engine.model.deepseek_v41.fp8_linear import (
+    Fp8GroupedLinear,
+    Fp8Linear,
+    linear32,
+    packed_modules,
+)
+from engine.model.deepseek_v41.reference import forward, reference_generate
 from engine.model.precision import upcast
-from engine.model.reference import forward, reference_generate
-from engine.request import Request
-from engine.sampling_params import SamplingParams
 from kernels.act_quant import fake_quant_act_fp8, quantize_act_fp8
 from kernels.weight_formats import dequantize_fp8_block
 
@@ -212,7 +217,7 @@ def test_packed_equals_none_with_the_activation_rounding_in_float64(
     linears. Applied to the dequantised model at exactly those sites (float64, where
     every quantised product and the sums of the tiny model are exact), the two agree.
     The routed experts load unpacked on both sides (their packed GEMM, fp32 with its
-    own rounding, is tests/engine/test_checkpoint_experts.py)."""
+    own rounding, is tests/engine/loader/test_checkpoint_experts.py)."""
     monkeypatch.setattr(checkpoint, "experts_stored_packed", lambda *args: False)
     _, packed = load_checkpoint(tiny_dir, dtype=torch.float64)
     _, plain = load_checkpoint(tiny_dir, dtype=torch.float64, quantization="none")
@@ -329,7 +334,7 @@ def test_greedy_tokens_packed_equal_none_on_the_trained_demo_model() -> None:
     """The random tiny model's logits are nearly flat (top-2 margins of 0.003 to 0.17
     against a ~0.1 activation-rounding effect), so its greedy tokens cannot be held
     across the two paths; the trained demo model's hold for the first tokens."""
-    from engine.tokenizer import load_tokenizer
+    from engine.loader.tokenizer import load_tokenizer
     from training.demo_config import demo_checkpoint_dir
 
     demo = demo_checkpoint_dir()

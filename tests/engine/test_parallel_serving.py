@@ -27,15 +27,15 @@ import time
 import pytest
 import torch
 
-from engine.builder import build_engine, checkpoint_fingerprint
-from engine.checkpoint_writer import save_checkpoint, write_tiny_tokenizer
-from engine.engine_config import EngineConfig
-from engine.executor import WorkerFailure, free_port, start_worker, worker_specs
-from engine.model.config import ModelConfig
-from engine.model.model import DeepseekV41
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from kvstore.layout import kv_layout
+from engine.api.request import Request
+from engine.api.sampling_params import SamplingParams
+from engine.config import EngineConfig
+from engine.loader.builder import build_engine, checkpoint_fingerprint
+from engine.loader.checkpoint_writer import save_checkpoint, write_tiny_tokenizer
+from engine.model.deepseek_v41.config import ModelConfig
+from engine.model.deepseek_v41.model import DeepseekV41
+from engine.parallel.executor import WorkerFailure, free_port, start_worker, worker_specs
+from kvstore.device.layout import kv_layout
 
 pytestmark = pytest.mark.slow
 

@@ -26,10 +26,10 @@ from engine_helpers import (
     token_stream,
 )
 
-from engine.async_engine import AsyncEngine
-from engine.engine_config import EngineConfig
-from engine.model.reference import ReplayPlan, forward
-from engine.request import Request
+from engine.api.async_engine import AsyncEngine
+from engine.api.request import Request
+from engine.config import EngineConfig
+from engine.model.deepseek_v41.reference import ReplayPlan, forward
 
 PT = 8
 

@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.checkpoint import iter_checkpoint_tensors, load_checkpoint, skipped_kind
-from engine.checkpoint_writer import make_tiny
+from engine.loader.checkpoint import iter_checkpoint_tensors, load_checkpoint, skipped_kind
+from engine.loader.checkpoint_writer import make_tiny
 
 
 def _resident(model: torch.nn.Module) -> int:

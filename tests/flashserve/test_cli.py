@@ -70,7 +70,7 @@ def test_make_tiny_then_inspect_the_directory(
     assert 0 < file_bytes - ckpt["bytes"] < 200_000  # the rest is the JSON header
     # make-tiny writes the release's formats: the memory plan's packed bytes (device
     # and host) are exactly the bytes of the tensors the text model serves.
-    from engine.checkpoint import iter_checkpoint_tensors, skipped_kind
+    from engine.loader.checkpoint import iter_checkpoint_tensors, skipped_kind
 
     served = sum(t.nbytes for t in iter_checkpoint_tensors(out) if skipped_kind(t.name) is None)
     plan = _inspect_json(capsys, str(out), "--plan")
@@ -109,8 +109,8 @@ def test_inspect_official_in_a_subprocess() -> None:
 def test_inspect_plan_prints_and_serialises_the_official_plan(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from engine.memory_plan import GIB, memory_plan
-    from engine.model.config import ModelConfig
+    from engine.model.deepseek_v41.config import ModelConfig
+    from engine.planning.memory_plan import GIB, memory_plan
 
     argv = ["inspect", "official", "--plan", "--devices", "8", "--device-memory-gib", "141"]
     data = _inspect_json(capsys, *argv[1:])
@@ -150,8 +150,8 @@ def test_inspect_plan_rejects_bad_device_counts(capsys: pytest.CaptureFixture[st
 
 
 def test_inspect_plan_topology_flags_reach_the_plan(capsys: pytest.CaptureFixture[str]) -> None:
-    from engine.memory_plan import GIB, Topology, memory_plan
-    from engine.model.config import ModelConfig
+    from engine.model.deepseek_v41.config import ModelConfig
+    from engine.planning.memory_plan import GIB, Topology, memory_plan
 
     data = _inspect_json(
         capsys, "official", "--plan", "--tensor-parallel-size", "8", "--enable-expert-parallel"
@@ -180,7 +180,7 @@ def test_inspect_plan_compare_prints_dp_and_tp_side_by_side(
     names = [p["topology"]["name"] for p in data["plans"]]
     assert names == ["DP16 x EP16", "TP8 x DP2 x EP16"]
     dp, tp = data["plans"]
-    assert data["ep_traffic"]["remote_copies"] == 6 * 15 / 16  # engine/ep_traffic.py
+    assert data["ep_traffic"]["remote_copies"] == 6 * 15 / 16  # engine/planning/ep_traffic.py
     assert main(["inspect", *argv, "--compare"]) == 0
     lines = capsys.readouterr().out.splitlines()
     (header,) = [line for line in lines if "DP16 x EP16" in line]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.engine_config import EngineConfig
+from engine.config import EngineConfig
 from flashserve import serve_cmd
 from flashserve.cli import build_parser, main
 
@@ -124,7 +124,7 @@ def test_server_settings_from_flags_and_environment() -> None:
 def test_price_and_metric_flags(tmp_path: Path) -> None:
     from datetime import UTC, datetime
 
-    from server.pricing import Rates
+    from server.openai.pricing import Rates
 
     plain = serve_cmd.server_settings(_args(), "fp", env={})
     assert plain.prices is None and not plain.vllm_metric_aliases
@@ -157,7 +157,7 @@ def test_cache_dir_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_tiny_checkpoint_is_written_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import engine.checkpoint_writer as writer
+    import engine.loader.checkpoint_writer as writer
 
     calls: list[tuple[Path, int]] = []
 
@@ -228,7 +228,7 @@ def test_serve_refuses_weights_that_do_not_fit_before_loading(
 ) -> None:
     """The official config on one 141 GiB device: refused from config.json alone (no weights
     in the directory, so reaching the loader would fail differently)."""
-    from engine.model.config import ModelConfig
+    from engine.model.deepseek_v41.config import ModelConfig
 
     path = _config_dir(tmp_path, ModelConfig.official())
     argv = ["serve", "--model", str(path), "--device", "cuda", "--device-memory-gib", "141"]
@@ -245,8 +245,8 @@ def test_serve_refuses_weights_that_do_not_fit_before_loading(
 def test_serve_prints_the_plan_of_a_model_that_fits(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from engine.memory_plan import GIB, weight_bytes
-    from engine.model.config import ModelConfig
+    from engine.model.deepseek_v41.config import ModelConfig
+    from engine.planning.memory_plan import GIB, weight_bytes
 
     tiny = ModelConfig.tiny()
     path = _config_dir(tmp_path, tiny)
@@ -261,7 +261,7 @@ def test_serve_prints_the_plan_of_a_model_that_fits(
     assert "warning: --kv-cache-bytes 1,073,741,824 exceeds" in capsys.readouterr().out
     # cpu without --device-memory-gib: the host's memory, less the Engram tables it holds.
     assert serve_cmd.check_memory_plan(_args("--model", str(path)), path) is None
-    from engine.memory_plan import detected_memory_bytes
+    from engine.planning.memory_plan import detected_memory_bytes
 
     host = detected_memory_bytes("cpu")
     assert host is not None
@@ -270,7 +270,7 @@ def test_serve_prints_the_plan_of_a_model_that_fits(
 
 
 def test_serve_reserve_shortfall_is_refused(tmp_path: Path) -> None:
-    from engine.model.config import ModelConfig
+    from engine.model.deepseek_v41.config import ModelConfig
 
     path = _config_dir(tmp_path, ModelConfig.tiny())
     message = serve_cmd.check_memory_plan(

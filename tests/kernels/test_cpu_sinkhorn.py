@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.model.mhc import hc_coefficients, sinkhorn
+from engine.model.deepseek_v41.mhc import hc_coefficients, sinkhorn
 from kernels import cpu_native, cpu_sinkhorn
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from interpreter import INTERPRETED, interpreted, run_triton_tests_in_child
 
-from engine.model.indexer import indexer_scores as dense_indexer_scores
+from engine.model.deepseek_v41.indexer import indexer_scores as dense_indexer_scores
 from kernels import dispatch
 from kernels import indexer_ops as indexer_ops_module
 from kernels.indexer_ops import (
@@ -137,7 +137,7 @@ def test_indexer_reference_matches_float64_oracle(
 
 
 def test_indexer_reference_equals_model_dense_scores(seed):
-    """A second code path: ``engine.model.indexer.indexer_scores`` over gathered keys."""
+    """A second code path: the model's ``indexer.indexer_scores`` over gathered keys."""
     qi, w, data, scales, block_tables, n_visible, n_cols = scoring_case(
         torch.Generator().manual_seed(seed), 4, 4, 3, 8, 20
     )

@@ -29,8 +29,8 @@ from kernels.kv_formats import (
     quantize_index_key,
     quantize_main_kv,
 )
-from kvstore.device_pool import DevicePool
-from kvstore.layout import kv_layout
+from kvstore.device.device_pool import DevicePool
+from kvstore.device.layout import kv_layout
 
 SOURCE = 1  # the second kv source of the test layout: its pages sit mid-row, strided
 

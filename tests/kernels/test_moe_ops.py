@@ -245,7 +245,7 @@ def test_grouped_gemm_compiles_for_hopper():
 def test_packed_experts_run_the_triton_kernel_end_to_end(seed, monkeypatch):
     """The packed ``RoutedExperts`` forward through the interpreted kernel (offsets only,
     no host counts) equals its CPU loop; an expert without rows is skipped by both."""
-    from engine.model.routed_experts import RoutedExperts
+    from engine.model.deepseek_v41.routed_experts import RoutedExperts
 
     g = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)

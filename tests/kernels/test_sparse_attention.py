@@ -17,7 +17,7 @@ import pytest
 import torch
 from interpreter import INTERPRETED, interpreted, run_triton_tests_in_child
 
-from engine.model.sink_attention import sink_attention as dense_sink_attention
+from engine.model.deepseek_v41.sink_attention import sink_attention as dense_sink_attention
 from kernels import dispatch
 from kernels import sparse_attention as sparse_attention_module
 from kernels.kv_cache_ops import store_kv_entries_reference

@@ -17,7 +17,7 @@ import torch
 from kvstore_helpers import content_for, fill_and_commit, run_worker, spawn_worker, tiny_layout
 
 from kvstore import KVCacheManager, PersistentStore
-from kvstore.page_file import CHECKSUM_BYTES, HEADER_BYTES
+from kvstore.ssd.page_file import CHECKSUM_BYTES, HEADER_BYTES
 
 LAYOUT = tiny_layout()
 FILE_BYTES = HEADER_BYTES + LAYOUT.page_bytes + CHECKSUM_BYTES
@@ -112,7 +112,7 @@ def test_full_disk_tmpfs_disables_writes_and_keeps_serving(
     with _tmpfs(mnt, f"{pages_that_fit * 36 + 4}k"):
         kv = KVCacheManager(LAYOUT, 32 * LAYOUT.page_bytes, kv_dir=mnt, kv_dir_bytes=10**9)
         tokens = list(range(10 * 64 + 1))
-        with caplog.at_level(logging.WARNING, logger="kvstore.persistent"):
+        with caplog.at_level(logging.WARNING, logger="kvstore.ssd.persistent"):
             fill_and_commit(kv, "a", tokens, "s")
             kv.flush()
         s = kv.stats().ssd
@@ -177,7 +177,7 @@ def test_read_only_directory_serves_reads_and_refuses_writes(
         raw[HEADER_BYTES + 7] ^= 1
         victim.write_bytes(raw)
         for _ in _make_read_only(mnt):
-            with caplog.at_level(logging.WARNING, logger="kvstore.persistent"):
+            with caplog.at_level(logging.WARNING, logger="kvstore.ssd.persistent"):
                 kv = KVCacheManager(LAYOUT, 32 * LAYOUT.page_bytes, kv_dir=mnt, kv_dir_bytes=10**9)
                 plan = kv.plan_restore("b", tokens, "s")
                 # Pages 0-2 verify; page 3 fails its checksum: a miss, though undeletable.

@@ -9,7 +9,7 @@ import torch
 from kvstore_helpers import content_for, fill_and_commit, tiny_layout
 
 from kvstore import KVCacheManager, OutOfPages, chain_hashes, pack_records, unpack_page
-from kvstore.page_file import HEADER_BYTES
+from kvstore.ssd.page_file import HEADER_BYTES
 
 LAYOUT = tiny_layout()
 PT = 64

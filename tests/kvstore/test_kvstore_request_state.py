@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.model.config import ModelConfig
+from engine.model.deepseek_v41.config import ModelConfig
 from kvstore import OutOfRequestSlots, RequestStateLayout, RequestStatePool
 
 

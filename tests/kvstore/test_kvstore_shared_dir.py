@@ -15,7 +15,7 @@ from kvstore_helpers import content_for, fill_and_commit, spawn_worker, tiny_lay
 from kvstore_worker import burst_hash
 
 from kvstore import KVCacheManager, PersistentStore, chain_hashes
-from kvstore.page_file import CHECKSUM_BYTES, HEADER_BYTES
+from kvstore.ssd.page_file import CHECKSUM_BYTES, HEADER_BYTES
 
 LAYOUT = tiny_layout()
 FILE_BYTES = HEADER_BYTES + LAYOUT.page_bytes + CHECKSUM_BYTES

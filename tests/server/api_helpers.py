@@ -48,9 +48,9 @@ EOS_ID = 1
 THINK_END_ID = 128822  # "</think>" in the DeepSeek tokenizer
 # Files whose change can change the tiny checkpoint on disk.
 CHECKPOINT_CODE = (
-    "engine/checkpoint.py",
-    "engine/checkpoint_writer.py",
-    "engine/model/config.py",
+    "engine/loader/checkpoint.py",
+    "engine/loader/checkpoint_writer.py",
+    "engine/model/deepseek_v41/config.py",
     "kernels/weight_formats.py",
 )
 _URL = re.compile(r"serving \S+ at (http://\S+) ")

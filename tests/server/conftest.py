@@ -43,6 +43,6 @@ def client(live_server: LiveServer) -> openai.OpenAI:
 @pytest.fixture(scope="session")
 def served_tokenizer(live_server: LiveServer, tiny_cache: Path) -> Tokenizer:
     """The served checkpoint's own tokenizer (the packaged one lacks ``<｜System｜>``)."""
-    from engine.tokenizer import load_tokenizer
+    from engine.loader.tokenizer import load_tokenizer
 
     return load_tokenizer(tiny_cache / "tiny-seed0")

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from fastapi.testclient import TestClient
 
-from engine.tokenizer import load_tokenizer
+from engine.loader.tokenizer import load_tokenizer
 from server.app import create_app
 from server.settings import ServerSettings
 

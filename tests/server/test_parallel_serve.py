@@ -57,7 +57,9 @@ def test_dp2_ep2_serves_chat_and_a_killed_worker_gives_503s(tiny_cache, tmp_path
     try:
         found = _CORE.search(server.log_path.read_text(errors="replace"))
         assert found, server.log_tail()
-        workers = [c for c in _children(int(found.group(1))) if "engine.worker" in _cmdline(c)]
+        workers = [
+            c for c in _children(int(found.group(1))) if "engine.parallel.worker" in _cmdline(c)
+        ]
         assert len(workers) == 2, server.log_tail()
         with httpx.Client(headers=HEADERS, timeout=60) as http:
             url = server.base_url + "/v1/chat/completions"

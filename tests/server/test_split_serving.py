@@ -23,10 +23,10 @@ import httpx
 import pytest
 from api_helpers import API_KEY, LiveServer, Samples, spawn_server, stop_server, wait_ready
 
-from engine.model.config import ModelConfig
-from kvstore.layout import kv_layout
-from kvstore.page_file import CHECKSUM_BYTES, HEADER_BYTES
-from server.handover import HANDOVER_HEADER, Handover
+from engine.model.deepseek_v41.config import ModelConfig
+from kvstore.device.layout import kv_layout
+from kvstore.ssd.page_file import CHECKSUM_BYTES, HEADER_BYTES
+from server.disagg.handover import HANDOVER_HEADER, Handover
 
 PAGE_TOKENS = 64
 COMMON = ["--model", "tiny", "--dtype", "float64", "--api-key", API_KEY, "--max-model-len", "1024"]

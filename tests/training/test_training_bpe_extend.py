@@ -90,7 +90,7 @@ def test_the_demo_recipe_makes_the_json_sample_cheap() -> None:
     these two fixed ones it measures 2.797, hence the bound."""
     from pathlib import Path
 
-    from engine.tokenizer import load_tokenizer
+    from engine.loader.tokenizer import load_tokenizer
     from training.demo_config import DEMO_VOCAB_SIZE, demo_checkpoint_dir
     from training.json_warm_start import MERGE_SEED, NEW_IDS, TOOL_CONVERSATIONS, tool_texts
 

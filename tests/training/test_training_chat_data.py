@@ -1,13 +1,13 @@
 """Demo training dialogue: speeches parsed from the play format, conversations rendered
-exactly as the server encodes a chat request (server/chat_encoding.py is the oracle)."""
+exactly as the server encodes a chat request (server/chat/chat_encoding.py is the oracle)."""
 
 from __future__ import annotations
 
 import pytest
 
-from server.chat_encoding import EOS, encode_chat
-from server.protocol import ChatCompletionRequest
-from server.tool_calls import THINK_END
+from server.chat.chat_encoding import EOS, encode_chat
+from server.chat.tool_calls import THINK_END
+from server.openai.protocol import ChatCompletionRequest
 from training.chat_data import render_conversation, speeches
 
 PLAY = """HAMLET, PRINCE OF DENMARK

@@ -8,10 +8,10 @@ import math
 import pytest
 import torch
 
-from engine.model.config import ModelConfig
-from engine.model.dense_backend import KVPrecision
-from engine.model.model import DeepseekV41
-from engine.model.reference import forward_train
+from engine.model.deepseek_v41.config import ModelConfig
+from engine.model.deepseek_v41.model import DeepseekV41
+from engine.model.deepseek_v41.reference import forward_train
+from engine.model.kv.dense_backend import KVPrecision
 from training.indexer_loss import AttentionInputs, indexer_kl, readers
 
 CONFIG = ModelConfig.tiny().replace(vocab_size=512)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.model.config import ModelConfig
-from engine.model.model import DeepseekV41
+from engine.model.deepseek_v41.config import ModelConfig
+from engine.model.deepseek_v41.model import DeepseekV41
 from training.router_balance import RouterBalance
 
 

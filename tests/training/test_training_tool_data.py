@@ -9,9 +9,9 @@ import random
 import jsonschema
 import pytest
 
-from server.chat_encoding import EOS, encode_chat
-from server.protocol import ChatCompletionRequest
-from server.tool_calls import THINK_END, parse_tool_calls
+from server.chat.chat_encoding import EOS, encode_chat
+from server.chat.tool_calls import THINK_END, parse_tool_calls
+from server.openai.protocol import ChatCompletionRequest
 from training.bpe import EOS_ID, train_bpe
 from training.corpus import Play
 from training.data import SequenceSampler

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from engine.model.config import ModelConfig
-from engine.model.model import DeepseekV41
+from engine.model.deepseek_v41.config import ModelConfig
+from engine.model.deepseek_v41.model import DeepseekV41
 from training.trainer import TrainConfig, heldout_loss, learning_rate, train
 
 

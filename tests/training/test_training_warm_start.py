@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.model.engram import build_compressed_vocab, engram_hash_rows
-from engine.model.model import DeepseekV41
+from engine.model.deepseek_v41.engram import build_compressed_vocab, engram_hash_rows
+from engine.model.deepseek_v41.model import DeepseekV41
 from training.bpe import BOS_ID, PAD_ID, train_bpe
 from training.bpe_extend import extend_tokenizer
 from training.demo_config import demo_config

@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from engine.checkpoint import load_checkpoint
-from engine.checkpoint_writer import save_checkpoint
-from engine.model.config import ModelConfig
-from engine.model.model import DeepseekV41
+from engine.loader.checkpoint import load_checkpoint
+from engine.loader.checkpoint_writer import save_checkpoint
+from engine.model.deepseek_v41.config import ModelConfig
+from engine.model.deepseek_v41.model import DeepseekV41
 from training.weight_qat import lossy, quantised_weights
 
 CONFIG = ModelConfig.tiny().replace(vocab_size=512)  # a small embedding: fast

@@ -19,8 +19,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from engine.model.dense_backend import DenseKV, KVPrecision
-from engine.model.replay import ReplayPlan
+from engine.model.kv.dense_backend import DenseKV, KVPrecision
+from engine.model.semantics.replay import ReplayPlan
 
 EXACT_KV = KVPrecision(global_kv="exact", swa="exact")
 TIMEOUT_S = 120
@@ -61,7 +61,7 @@ def forward_logits(model, ids: tuple[int, ...]) -> torch.Tensor:
 
 def routed_expert_bytes(model) -> tuple[int, int]:
     """(resident bytes of the routed experts, the bytes all E would take)."""
-    from engine.model.routed_experts import RoutedExperts
+    from engine.model.deepseek_v41.routed_experts import RoutedExperts
 
     held = whole = 0
     for module in model.modules():
@@ -86,7 +86,7 @@ def join_gloo(rank: int, world: int, port: int) -> None:
 
 def _rank(rank: int, world: int, port: int, job: Job, out: mp.Queue) -> None:
     try:
-        from engine.checkpoint import load_checkpoint
+        from engine.loader.checkpoint import load_checkpoint
         from engine.model.parallel import world_parallel
 
         join_gloo(rank, world, port)

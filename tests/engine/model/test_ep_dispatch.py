@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 from parallel_helpers import free_port, join_gloo
 
+from engine.model.deepseek_v41.routed_experts import RoutedExperts
 from engine.model.ep_dispatch import ep_moe
 from engine.model.parallel import Parallel, expert_range
-from engine.model.routed_experts import RoutedExperts
 
 E, K, DIM, INTER, LIMIT, WORLD = 6, 3, 32, 32, 7.0, 2
 ROUNDS = ((5, 3), (4, 0))  # rows per rank; rank 1 idle in the second

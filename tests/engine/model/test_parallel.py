@@ -18,13 +18,13 @@ import torch
 from parallel_helpers import Job, forward_logits, routed_expert_bytes, run_ranks
 from safetensors.torch import load_file, save_file
 
-from engine import weight_stream
-from engine.checkpoint import empty_model, load_checkpoint
-from engine.checkpoint_writer import make_tiny, save_checkpoint
-from engine.memory_plan import weight_bytes
-from engine.model.config import ModelConfig
-from engine.model.model import DeepseekV41
+from engine.loader import weight_stream
+from engine.loader.checkpoint import empty_model, load_checkpoint
+from engine.loader.checkpoint_writer import make_tiny, save_checkpoint
+from engine.model.deepseek_v41.config import ModelConfig
+from engine.model.deepseek_v41.model import DeepseekV41
 from engine.model.parallel import SINGLE, Parallel, expert_of, expert_range
+from engine.planning.memory_plan import weight_bytes
 
 pytestmark = pytest.mark.slow
 
@@ -179,7 +179,7 @@ def test_tp_packed_shards_keep_the_stored_fp8_bytes(checkpoint, monkeypatch):
     dimension (rows, or columns for wo_b and w2; scales per 32-block), so a rank
     holds half the split linears' stored bytes; replicated FP8 linears whole.
     Rank 1 streams in slices of 8192 elements (every shard read in pieces)."""
-    from engine.model.fp8_linear import packed_modules
+    from engine.model.deepseek_v41.fp8_linear import packed_modules
 
     stored = load_file(checkpoint / "model.safetensors")
     n_layers = ModelConfig.tiny().num_hidden_layers

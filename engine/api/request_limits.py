@@ -1,0 +1,57 @@
+"""What makes a request impossible to run, as plain numbers (``RequestLimits``).
+
+``LLMEngine.validate`` checks a request against its own limits; the engine
+core's client (``engine/api/core_client.py``) receives the same limits from the
+core process once, at start-up, and checks requests in the API process, so a
+request that can never run is refused with a 400 without a round trip.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from engine.api.request import Request
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    vocab_size: int
+    max_model_len: int
+    page_tokens: int
+    num_pages: int
+    has_tokenizer: bool
+    encoder_only: bool = False
+
+    def pages_needed(self, num_tokens: int) -> int:
+        return math.ceil(num_tokens / self.page_tokens)
+
+    def validate(self, request: Request) -> None:
+        """Raise ``ValueError`` (naming the field) if ``request`` can never run."""
+        params = request.sampling_params
+        if self.encoder_only and not request.prefill_only:
+            raise ValueError(
+                "this engine holds the encoder layers only (a prefill worker): "
+                "it runs prefill-only requests"
+            )
+        params.validate(self.vocab_size)
+        prompt = request.prompt_token_ids
+        if not prompt:
+            raise ValueError("prompt_token_ids: the prompt is empty")
+        if any(not 0 <= t < self.vocab_size for t in prompt):
+            raise ValueError(f"prompt_token_ids: ids must lie in [0, {self.vocab_size})")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(
+                f"prompt_token_ids: {len(prompt)} tokens leave no room under "
+                f"max_model_len={self.max_model_len}"
+            )
+        if self.pages_needed(len(prompt)) > self.num_pages:
+            raise ValueError(
+                f"prompt_token_ids: {len(prompt)} tokens need more KV pages than the cache holds "
+                f"({self.num_pages} pages of {self.page_tokens} tokens)"
+            )
+        if params.stop and not self.has_tokenizer:
+            raise ValueError("SamplingParams.stop: stop strings need a tokenizer")
+        if params.n > 1 and params.mask_provider is not None:
+            # A provider holds one sequence's parse state.
+            raise ValueError("SamplingParams.n: a mask provider serves one sequence (n = 1)")

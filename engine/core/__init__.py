@@ -1,0 +1,1 @@
+"""The step loop: schedule, run, sample, append, detokenize, stop; and its process."""

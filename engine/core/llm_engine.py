@@ -1,0 +1,571 @@
+"""The engine loop: schedule -> run -> sample -> append, detokenize, stop -> commit, free.
+
+``LLMEngine`` is synchronous and single-threaded; ``AsyncEngine`` runs it in
+its own thread. Where a token is born: ``step``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from tokenizers import Tokenizer
+
+from engine.api.request import (
+    CompletionOutput,
+    Request,
+    RequestError,
+    RequestMetrics,
+    RequestOutput,
+    TokenLogprob,
+    Usage,
+)
+from engine.api.request_limits import RequestLimits
+from engine.api.sampling_params import SamplingParams
+from engine.config import EngineConfig
+from engine.core.detokenizer import IncrementalDetokenizer, check_stop_token
+from engine.core.scheduler import Scheduler
+from engine.core.sequence import Sequence, SequenceStatus
+from engine.core.step import ModelRunner, StepBatch
+from engine.model.deepseek_v41.config import ModelConfig
+from engine.model.deepseek_v41.model import DeepseekV41
+from engine.model.kv.dense_backend import KVPrecision
+from engine.sample.sampler import Sampler, SeqHistory, make_generator
+from kvstore.device.layout import kv_layout
+from kvstore.manager import KVCacheManager
+from kvstore.stats import KVStats
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class EngineCounters:
+    """Cumulative counters for metrics (names are documented in docs/design/engine.md)."""
+
+    steps: int = 0
+    requests_added: int = 0
+    requests_finished: int = 0
+    finished: dict[str, int] = field(default_factory=dict)  # choices, by finish reason
+    prefill_rows: int = 0  # encoder rows of prefill chunks (replayed rows included)
+    decode_rows: int = 0
+    generation_tokens: int = 0
+    prompt_tokens: int = 0
+    prompt_cache_hit_tokens: int = 0
+    replay_tokens: int = 0
+    step_seconds: float = 0.0  # wall time inside ``step``
+    execute_seconds: float = 0.0  # of which inside ``runner.execute``
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """A snapshot for ``/metrics`` and ``stats()``."""
+
+    running: int
+    waiting: int
+    preemptions: int
+    kv: KVStats
+    counters: EngineCounters
+
+
+@dataclass(slots=True)
+class _Choice:
+    """Per-sequence output state; ``pending_*`` is what the next output carries."""
+
+    seq: Sequence
+    detok: IncrementalDetokenizer | None
+    generator: torch.Generator | None
+    pending_text: str = ""
+    pending_ids: list[int] = field(default_factory=list)
+    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+    reported_finish: bool = False
+
+
+@dataclass(slots=True)
+class _RequestState:
+    request: Request
+    choices: list[_Choice]
+    prompt_scores_reported: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return all(c.seq.is_finished for c in self.choices)
+
+
+class LLMEngine:
+    """Continuous batching over one model runner and one KV cache manager."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        runner: ModelRunner,
+        kv: KVCacheManager,
+        *,
+        model_config: ModelConfig,
+        vocab_size: int | None = None,
+        max_position_embeddings: int | None = None,
+        tokenizer: Tokenizer | None = None,
+        eos_token_id: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        encoder_only: bool = False,
+    ) -> None:
+        # Special tokens, vocabulary and context come from the model's config; tests
+        # with a model-free runner may narrow the vocabulary or the context.
+        eos_token_id = model_config.eos_token_id if eos_token_id is None else eos_token_id
+        vocab_size = vocab_size or model_config.vocab_size
+        max_position_embeddings = max_position_embeddings or model_config.max_position_embeddings
+        self.config = config
+        # A prefill worker's model has no decoder layers: only prefill-only requests run.
+        self.encoder_only = encoder_only
+        self.runner = runner
+        self.kv = kv
+        self.tokenizer = tokenizer
+        self.eos_token_id = eos_token_id
+        self.vocab_size = vocab_size
+        self.max_model_len = config.max_model_len or max_position_embeddings
+        self.replay_tokens = config.replay_window(model_config.sliding_window)
+        self.scheduler = Scheduler(
+            config, kv, model_config, self.replay_tokens, runner.release, clock
+        )
+        self.sampler = Sampler(eos_token_id)
+        self.counters = EngineCounters()
+        self._clock = clock
+        self._requests: dict[str, _RequestState] = {}
+        self._seq_ids = itertools.count()
+        self._pending_outputs: list[RequestOutput] = []
+        # Called once per step between scheduling and the model: an engine core in its
+        # own process reports queue lengths here, before a long forward.
+        self.on_scheduled: Callable[[], None] | None = None
+
+    @classmethod
+    def build(
+        cls,
+        config: EngineConfig,
+        model: DeepseekV41,
+        *,
+        tokenizer: Tokenizer | None = None,
+        model_id: str = "",
+        eos_token_id: int | None = None,
+    ) -> LLMEngine:
+        """KV cache manager and runner for ``model`` as ``config`` asks."""
+        mc = model.config
+        layout = kv_layout(
+            mc.kv_source_layer_ids,
+            mc.compress_ratios,
+            config.page_tokens,
+            config.kv_dtype,
+            model_id,
+        )
+        kv = KVCacheManager(
+            layout, config.kv_cache_bytes, config.device, config.kv_dir, config.kv_dir_bytes
+        )
+        runner: ModelRunner
+        if config.runner == "reference":
+            from engine.runner.reference_runner import ReferenceRunner
+
+            runner = ReferenceRunner(model, kv, KVPrecision(global_kv=config.kv_dtype))
+        else:
+            from engine.runner.cuda_graphs import decode_graphs_for
+            from engine.runner.model_runner import PagedModelRunner
+
+            graphs = decode_graphs_for(
+                model,
+                config.device,
+                config.max_num_seqs,
+                enforce_eager=config.enforce_eager,
+                sizes=config.cuda_graph_sizes,
+            )
+            runner = PagedModelRunner(model, kv, config.max_num_seqs, graphs)
+        return cls(
+            config,
+            runner,
+            kv,
+            model_config=mc,
+            tokenizer=tokenizer,
+            eos_token_id=eos_token_id,
+            encoder_only=model.encoder_only,
+        )
+
+    # ------------------------------------------------------------ requests
+    def validate(self, request: Request) -> None:
+        """Raise ``ValueError`` if ``request`` can never run; reads configuration only."""
+        self.limits().validate(request)
+
+    def limits(self) -> RequestLimits:
+        """The numbers ``validate`` checks against (what a core process sends its client)."""
+        return RequestLimits(
+            vocab_size=self.vocab_size,
+            max_model_len=self.max_model_len,
+            page_tokens=self.kv.page_tokens,
+            num_pages=self.kv.num_pages,
+            has_tokenizer=self.tokenizer is not None,
+            encoder_only=self.encoder_only,
+        )
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self._requests:
+            raise ValueError(f"request id {request.request_id!r} is already in the engine")
+        self.validate(request)
+        params = request.sampling_params
+        if request.prefill_only:
+            self._add_prefill_only(request)
+            return
+        choices = []
+        for index in range(params.n):
+            seq = self._sequence(request, request.prompt_token_ids, index)
+            detok = None
+            if self.tokenizer is not None:
+                detok = IncrementalDetokenizer(
+                    self.tokenizer,
+                    request.prompt_token_ids,
+                    stop=params.stop,
+                    include_stop_str_in_output=params.include_stop_str_in_output,
+                    min_tokens=params.min_tokens,
+                )
+            generator = make_generator(params, index, self.config.device)
+            choices.append(_Choice(seq, detok, generator))
+            self.scheduler.add(seq)
+        self._requests[request.request_id] = _RequestState(request, choices)
+        self.counters.requests_added += 1
+
+    def _sequence(
+        self, request: Request, prompt: list[int], index: int, prefill_only: bool = False
+    ) -> Sequence:
+        return Sequence(
+            seq_id=next(self._seq_ids),
+            request_id=request.request_id,
+            token_ids=list(prompt),
+            num_prompt_tokens=len(prompt),
+            salt=request.cache_salt,
+            priority=request.priority,
+            arrival=request.arrival_time,
+            index=index,
+            prefill_only=prefill_only,
+            # One choice scores the prompt for all of them.
+            prompt_logprobs=request.sampling_params.prompt_logprobs if index == 0 else None,
+        )
+
+    def _add_prefill_only(self, request: Request) -> None:
+        """One sequence over the prompt's full pages: the partial last page is the
+        decode side's to compute (only full pages are ever handed over)."""
+        pt = self.kv.page_tokens
+        full = len(request.prompt_token_ids) // pt * pt
+        seq = self._sequence(request, request.prompt_token_ids[:full], 0, prefill_only=True)
+        state = _RequestState(request, [_Choice(seq, None, None)])
+        self._requests[request.request_id] = state
+        self.counters.requests_added += 1
+        if full == 0:  # nothing to hand over
+            self._pending_outputs.append(self._finish_prefill(seq, []))
+            return
+        self.scheduler.add(seq)
+
+    def _finish_prefill(self, seq: Sequence, published: list[bytes]) -> RequestOutput:
+        """End a prefill-only request; its output carries the page chain to wait for."""
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = "stop"
+        seq.finished = self._clock()
+        state = self._requests.pop(seq.request_id)
+        out = self._output(state)
+        out.published_pages = published
+        self._count_finished(state)
+        return out
+
+    def abort(self, request_id: str, *, report: bool = True) -> bool:
+        """Finish every choice of ``request_id`` now, freeing its pages; False if unknown.
+
+        With ``report``, the final output (finish reason ``abort``) comes with
+        the next ``step``; without, nobody is listening and none is made.
+        """
+        state = self._requests.pop(request_id, None)
+        if state is None:
+            return False
+        now = self._clock()
+        for choice in state.choices:
+            seq = choice.seq
+            if seq.is_finished:
+                continue
+            if seq.status is SequenceStatus.RUNNING and not seq.in_prefill:
+                self._commit(seq)  # its written KV stays useful to the prefix cache
+            self.scheduler.finish(seq)
+            seq.finish_reason = "abort"
+            seq.finished = now
+            choice.pending_text = ""  # held-back text is dropped with the request
+        if report:
+            self._pending_outputs.append(self._output(state))
+        self._count_finished(state)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests) or bool(self._pending_outputs)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    # ------------------------------------------------------------ the step
+    def step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
+        outputs, self._pending_outputs = self._pending_outputs, []
+        batch = self.scheduler.schedule()
+        if self.on_scheduled is not None:
+            self.on_scheduled()
+        if not batch:
+            return outputs
+        t0 = time.perf_counter()
+        logits = self.runner.execute(batch)
+        self.counters.execute_seconds += time.perf_counter() - t0
+        take = getattr(self.runner, "take_prompt_logprobs", None)
+        if take is not None:
+            prefilled = {c.seq.seq_id: c.seq for c in batch.prefills}
+            for seq_id, scores in take().items():
+                prefilled[seq_id].prompt_scores.extend(scores)
+        for chunk in batch.prefills:
+            if chunk.last and chunk.seq.scores_prompt:
+                chunk.seq.prompt_scored = True
+
+        for chunk in batch.prefills:
+            chunk.seq.num_computed = chunk.end
+        for seq in batch.decodes:
+            seq.num_computed = seq.num_tokens
+        for seq in batch.prefilled():
+            self._commit(seq)
+            published = self.kv.publish(seq.seq_id)
+            self.scheduler.finish(seq)
+            outputs.append(self._finish_prefill(seq, published))
+        sampled = batch.sampled()
+        failures = self._sample_and_append(sampled, logits) if sampled else {}
+        touched: dict[str, _RequestState] = {}
+        for seq in sampled:
+            if seq.request_id in failures:
+                continue
+            self._commit(seq)
+            if seq.finish_reason is not None:
+                self.scheduler.finish(seq)
+            touched[seq.request_id] = self._requests[seq.request_id]
+        for state in touched.values():
+            outputs.append(self._output(state))
+            if state.finished:
+                del self._requests[state.request.request_id]
+                self._count_finished(state)
+        for rid, error in failures.items():
+            outputs.append(self._fail(rid, error))
+        self._count_step(batch)
+        self.counters.step_seconds += time.perf_counter() - started
+        return outputs
+
+    def _fail(self, request_id: str, error: BaseException) -> RequestOutput:
+        """End every choice of a request whose own state failed (its mask provider,
+        stop handling or detokenizer raised): finish reason ``error``, pages freed,
+        the final output carrying ``error``. Other requests are not touched."""
+        if not isinstance(error, RequestError):
+            logger.error("request %s failed; the engine goes on", request_id, exc_info=error)
+        state = self._requests.pop(request_id)
+        now = self._clock()
+        for choice in state.choices:
+            seq = choice.seq
+            if not seq.is_finished:
+                self.scheduler.finish(seq)
+            seq.finish_reason = "error"
+            seq.finished = now
+            choice.pending_text = ""
+        out = self._output(state)
+        out.error = error
+        self._count_finished(state)
+        return out
+
+    def _sample_and_append(
+        self, seqs: list[Sequence], logits: dict[int, torch.Tensor]
+    ) -> dict[str, BaseException]:
+        """Sample and append one token per sequence; returns the requests that failed
+        (by request id), whose sequences the caller must not commit or report."""
+        choices = [self._choice(s) for s in seqs]
+        params = [self._requests[s.request_id].request.sampling_params for s in seqs]
+        histories = [SeqHistory(s.prompt_view, s.output_view) for s in seqs]
+        out = self.sampler.sample(
+            torch.stack([logits[s.seq_id] for s in seqs]),
+            params,
+            histories,
+            [c.generator for c in choices],
+        )
+        tokens = out.token_ids.tolist()
+        chosen = out.logprobs.tolist() if out.logprobs is not None else []
+        now = self._clock()
+        failures = {seqs[row].request_id: exc for row, exc in out.errors.items()}
+        for row, (choice, p) in enumerate(zip(choices, params, strict=True)):
+            rid = seqs[row].request_id
+            if rid in failures:
+                continue
+            logprob = None
+            if p.logprobs is not None:
+                top = out.top_logprobs[row] if out.top_logprobs is not None else []
+                logprob = TokenLogprob(tokens[row], chosen[row], top)
+            try:
+                self._append(choice, p, tokens[row], logprob, now)
+            except Exception as exc:  # this request's grammar / stop handling, not the engine
+                failures[rid] = exc
+        return failures
+
+    def _append(
+        self,
+        choice: _Choice,
+        params: SamplingParams,
+        token: int,
+        logprob: TokenLogprob | None,
+        now: float,
+    ) -> None:
+        """One sampled token: record it, stream its text, decide whether the choice ends."""
+        seq = choice.seq
+        seq.token_ids.append(token)
+        if seq.first_token is None:
+            seq.first_token = now
+        seq.last_token = now
+        choice.pending_ids.append(token)
+        if logprob is not None:
+            choice.pending_logprobs.append(logprob)
+        if params.mask_provider is not None:
+            params.mask_provider.accept(token)
+
+        reason = check_stop_token(token, params, self.eos_token_id)
+        if reason is not None:
+            seq.finish_reason, seq.stop_reason = reason, token
+        elif choice.detok is not None:
+            # A stop token's own text never reaches the output.
+            delta = choice.detok.push(token)
+            choice.pending_text += delta.text
+            if delta.stopped:
+                seq.finish_reason, seq.stop_reason = "stop", delta.stop_reason
+        if seq.finish_reason is None:
+            if params.mask_provider is not None and params.mask_provider.is_terminated():
+                seq.finish_reason = "stop"
+            elif (
+                seq.num_output_tokens >= params.max_tokens
+                or seq.num_tokens >= self.max_model_len
+                # The next decode would need more pages than the whole pool.
+                or self.scheduler.pages_needed(seq.num_tokens) > self.kv.num_pages
+            ):
+                seq.finish_reason = "length"
+        if seq.finish_reason is not None and choice.detok is not None:
+            choice.pending_text += choice.detok.flush()
+
+    def _commit(self, seq: Sequence) -> None:
+        """Cache the sequence's newly full pages (rows whose KV the runner wrote)."""
+        self.kv.commit_full_pages(seq.seq_id, seq.computed_view, seq.salt)
+
+    # ------------------------------------------------------------ outputs
+    def _choice(self, seq: Sequence) -> _Choice:
+        return self._requests[seq.request_id].choices[seq.index]
+
+    def _output(self, state: _RequestState) -> RequestOutput:
+        wants_logprobs = state.request.sampling_params.logprobs is not None
+        outputs = []
+        for c in state.choices:
+            finishing = c.seq.finish_reason is not None and not c.reported_finish
+            if not (c.pending_ids or c.pending_text or finishing):
+                continue
+            outputs.append(
+                CompletionOutput(
+                    index=c.seq.index,
+                    text=c.pending_text,
+                    token_ids=c.pending_ids,
+                    logprobs=c.pending_logprobs if wants_logprobs else None,
+                    finish_reason=c.seq.finish_reason,
+                    stop_reason=c.seq.stop_reason,
+                )
+            )
+            c.pending_text, c.pending_ids, c.pending_logprobs = "", [], []
+            c.reported_finish = c.reported_finish or finishing
+        return RequestOutput(
+            request_id=state.request.request_id,
+            outputs=outputs,
+            finished=state.finished,
+            usage=self._usage(state),
+            metrics=self._metrics(state),
+            prompt_logprobs=self._prompt_logprobs(state),
+        )
+
+    @staticmethod
+    def _prompt_logprobs(state: _RequestState) -> list[TokenLogprob] | None:
+        """The prompt's scores, once: in the first output after the prefill scored them."""
+        seq = state.choices[0].seq
+        if not seq.prompt_scored or state.prompt_scores_reported:
+            return None
+        state.prompt_scores_reported = True
+        return seq.prompt_scores
+
+    @staticmethod
+    def _usage(state: _RequestState) -> Usage:
+        seqs = [c.seq for c in state.choices]
+        prompt = len(state.request.prompt_token_ids)
+        hit = seqs[0].prompt_hit_tokens
+        return Usage(
+            prompt_tokens=prompt,
+            completion_tokens=sum(s.num_output_tokens for s in seqs),
+            prompt_cache_hit_tokens=hit,
+            prompt_cache_miss_tokens=prompt - hit,
+            prompt_device_hit_tokens=seqs[0].prompt_device_hit_tokens,
+            prompt_ssd_hit_tokens=seqs[0].prompt_ssd_hit_tokens,
+            replay_tokens=sum(s.replay_tokens for s in seqs),
+        )
+
+    @staticmethod
+    def _metrics(state: _RequestState) -> RequestMetrics:
+        seqs = [c.seq for c in state.choices]
+
+        def first(values: list[float | None]) -> float | None:
+            present = [v for v in values if v is not None]
+            return min(present) if present else None
+
+        last_tokens = [s.last_token for s in seqs if s.last_token is not None]
+        return RequestMetrics(
+            arrival_time=state.request.arrival_time,
+            first_scheduled_time=first([s.first_scheduled for s in seqs]),
+            first_token_time=first([s.first_token for s in seqs]),
+            last_token_time=max(last_tokens) if last_tokens else None,
+            finished_time=max(s.finished or 0.0 for s in seqs) if state.finished else None,
+            num_preemptions=sum(s.num_preemptions for s in seqs),
+        )
+
+    # ------------------------------------------------------------ counters
+    def _count_step(self, batch: StepBatch) -> None:
+        c = self.counters
+        c.steps += 1
+        c.decode_rows += len(batch.decodes)
+        c.prefill_rows += sum(chunk.num_tokens for chunk in batch.prefills)
+        c.generation_tokens += len(batch.sampled())
+
+    def _count_finished(self, state: _RequestState) -> None:
+        c = self.counters
+        usage = self._usage(state)
+        c.prompt_tokens += usage.prompt_tokens
+        c.prompt_cache_hit_tokens += usage.prompt_cache_hit_tokens
+        c.replay_tokens += usage.replay_tokens
+        c.requests_finished += 1
+        for choice in state.choices:
+            reason = choice.seq.finish_reason or "abort"
+            c.finished[reason] = c.finished.get(reason, 0) + 1
+
+    def queue_lengths(self) -> tuple[int, int]:
+        """(running, waiting) sequences now; safe to read from another thread while a
+        step runs (two length reads), unlike ``stats``."""
+        return len(self.scheduler.running), len(self.scheduler.waiting)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            preemptions=self.scheduler.num_preemptions,
+            kv=self.kv.stats(),
+            counters=dataclasses.replace(self.counters, finished=dict(self.counters.finished)),
+        )
+
+    def close(self) -> None:
+        """Flush the SSD tier's write-behind and stop its threads (and a parallel
+        runner's workers)."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:  # first: it writes the pages its workers still hold
+            close()
+        self.kv.close()

@@ -1,0 +1,1 @@
+"""From files to a running model: checkpoint formats and streaming, the tokenizer, the builder."""

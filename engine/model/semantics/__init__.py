@@ -1,0 +1,1 @@
+"""Rules of which rows run which layers, shared by every runner."""

@@ -1,0 +1,1 @@
+"""Parallel serving: the executor, its per-rank workers, data-parallel KV bookkeeping."""

@@ -1,0 +1,211 @@
+"""The KV bookkeeping of D data-parallel ranks behind the one interface the scheduler uses.
+
+With DP attention (docs/design/parallelism.md, "Data-parallel attention") each
+sequence lives on one DP rank: its global-KV pages, SWA rings and prefix-cache
+entries are that rank's, so the node holds the sum of the ranks' pools. The
+engine core keeps one ``KVCacheManager`` per DP rank for the page bookkeeping
+(block pool, prefix cache); the page bytes live on the ranks' workers, so the
+core's managers hold their page tensor on the ``meta`` device (no memory).
+
+``place`` picks a waiting sequence's rank before its admission: among the ranks
+that can take all its pages, the one whose device tier holds the longest cached
+prefix of it; ties (and no hit) go to the rank with the fewest sequences, then
+the most free pages. A sequence keeps its rank until ``free`` (finish or
+preemption); its next admission places it again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Hashable, Sequence
+
+import torch
+
+from kvstore.device.layout import KVLayout
+from kvstore.device.page_hash import Salt, chain_hashes
+from kvstore.manager import KVCacheManager, RestorePlan
+from kvstore.ssd.persistent import PersistentStore
+from kvstore.stats import KVStats
+
+
+class CoreKV(KVCacheManager):
+    """One DP rank's page bookkeeping in the core; the page bytes live on its workers.
+
+    Its page tensor is on ``meta``. The SSD tier (shared by every rank) still
+    works through it: a page loaded from SSD is kept as bytes in ``restored``
+    until the executor ships it to the rank's workers with the next step, and a
+    committed page's chain segment waits in ``unwritten`` until the executor has
+    fetched its bytes from the rank (``write_fetched``).
+    """
+
+    def __init__(self, layout: KVLayout, cache_bytes: int) -> None:
+        super().__init__(layout, cache_bytes, "meta")
+        self.restored: list[tuple[int, bytes]] = []
+        self.unwritten: list[list[tuple[bytes, int]]] = []
+
+    def _write_loaded(self, loaded: list[tuple[int, memoryview]]) -> None:
+        # No device pool here: the bytes ship with the next step and the workers copy
+        # them in before its forward.
+        self.restored.extend((page, bytes(payload)) for page, payload in loaded)
+
+    def commit_full_pages(self, request_id: Hashable, token_ids: Sequence[int], salt: Salt) -> int:
+        store, self.store = self.store, None  # register only; the bytes are fetched later
+        try:
+            start = len(self._requests[request_id].hashes)
+            n = super().commit_full_pages(request_id, token_ids, salt)
+        finally:
+            self.store = store
+        if store is not None and n:
+            req = self._requests[request_id]
+            segment = list(zip(req.hashes[start:], req.block_table[start : start + n], strict=True))
+            self.unwritten.append(segment)
+        return n
+
+    def publish(self, request_id: Hashable) -> list[bytes]:
+        raise NotImplementedError("prefill-only requests are not served with parallel serving")
+
+    def take_unwritten(self) -> list[list[tuple[bytes, int]]]:
+        segments, self.unwritten = self.unwritten, []
+        return segments
+
+    def take_restored(self) -> list[tuple[int, bytes]]:
+        pages, self.restored = self.restored, []
+        return pages
+
+
+class DataParallelKV:
+    """``KVCacheManager``'s engine-facing methods over one manager per DP rank."""
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        cache_bytes: int,
+        data_parallel_size: int,
+        kv_dir: str | os.PathLike[str] | None = None,
+        kv_dir_bytes: int | None = None,
+    ) -> None:
+        self.layout = layout
+        self.page_tokens = layout.page_tokens
+        # The bytes are the workers'; the core counts pages only.
+        self.ranks = [CoreKV(layout, cache_bytes) for _ in range(data_parallel_size)]
+        # One SSD tier for every rank (content-addressed: any rank may restore any page).
+        self.store = PersistentStore(kv_dir, layout, kv_dir_bytes) if kv_dir else None
+        for m in self.ranks:
+            m.store = self.store
+        self._rank: dict[Hashable, int] = {}
+
+    @property
+    def num_pages(self) -> int:
+        """Pages one sequence can ever hold: one rank's pool (a sequence never spans two)."""
+        return min(m.num_pages for m in self.ranks)
+
+    # ------------------------------------------------------------ placement
+    def place(
+        self, request_id: Hashable, token_ids: Sequence[int], salt: Salt, need_logits: bool = True
+    ) -> int:
+        """Choose the rank of a sequence not yet admitted (see the module doc)."""
+        current = self._rank.get(request_id)
+        if current is not None and request_id in self.ranks[current]._requests:
+            return current  # admitted already: it stays
+        n = len(token_ids)
+        cap = max(0, (n - 1) // self.page_tokens) if need_logits else n // self.page_tokens
+        hashes = chain_hashes(token_ids, salt, self.page_tokens, n_pages=cap)
+        load = [0] * len(self.ranks)
+        for rid, r in self._rank.items():
+            # Admitted sequences only: a placement of one that never got its pages
+            # (still waiting, or aborted while waiting) holds nothing there.
+            if rid != request_id and rid in self.ranks[r]._requests:
+                load[r] += 1
+
+        def score(r: int) -> tuple[bool, int, int, int]:
+            m = self.ranks[r]
+            hit = 0
+            for h in hashes:
+                if m.pool.lookup(h) is None:
+                    break
+                hit += 1
+            return (m.can_allocate(request_id, n), hit, -load[r], m.pool.num_available)
+
+        best = max(range(len(self.ranks)), key=score)
+        self._rank[request_id] = best
+        if len(self._rank) > 4 * (sum(len(m._requests) for m in self.ranks) + 64):
+            self._forget_unadmitted(keep=request_id)
+        return best
+
+    def _forget_unadmitted(self, keep: Hashable) -> None:
+        """Drop placements of sequences that hold no pages (aborted while waiting)."""
+        self._rank = {
+            rid: r for rid, r in self._rank.items() if rid == keep or rid in self.ranks[r]._requests
+        }
+
+    def pool_of(self, request_id: Hashable) -> int:
+        """The DP rank holding ``request_id``'s pages."""
+        return self._rank[request_id]
+
+    def _m(self, request_id: Hashable) -> KVCacheManager:
+        return self.ranks[self._rank.setdefault(request_id, 0)]
+
+    # ------------------------------------------------------------ routed calls
+    def can_allocate(self, request_id: Hashable, n_tokens: int) -> bool:
+        return self._m(request_id).can_allocate(request_id, n_tokens)
+
+    def plan_restore(
+        self, request_id: Hashable, token_ids: Sequence[int], salt: Salt, *, need_logits=True
+    ) -> RestorePlan:
+        return self._m(request_id).plan_restore(
+            request_id, token_ids, salt, need_logits=need_logits
+        )
+
+    def allocate(self, request_id: Hashable, n_tokens: int) -> list[int]:
+        return self._m(request_id).allocate(request_id, n_tokens)
+
+    def block_table(self, request_id: Hashable) -> list[int]:
+        return self._m(request_id).block_table(request_id)
+
+    def commit_full_pages(self, request_id: Hashable, token_ids: Sequence[int], salt: Salt) -> int:
+        return self._m(request_id).commit_full_pages(request_id, token_ids, salt)
+
+    def publish(self, request_id: Hashable) -> list[bytes]:
+        return self._m(request_id).publish(request_id)
+
+    def wait_published(self, hashes: Sequence[bytes], timeout: float | None = None) -> int:
+        return 0 if self.store is None else self.store.wait_written(hashes, timeout)
+
+    def free(self, request_id: Hashable) -> None:
+        rank = self._rank.pop(request_id, 0)
+        self.ranks[rank].free(request_id)
+
+    # ------------------------------------------------------------ reporting
+    def stats(self) -> KVStats:
+        """The node's: every count summed over the ranks (capacity is the sum of pools)."""
+        parts = [m.stats() for m in self.ranks]
+        total = dataclasses.replace(parts[0])  # its ``ssd`` is the one shared tier's
+        for f in dataclasses.fields(KVStats):
+            if f.name in ("page_tokens", "page_bytes", "ssd"):
+                continue
+            setattr(total, f.name, sum(getattr(p, f.name) for p in parts))
+        return total
+
+    def rank_stats(self) -> list[KVStats]:
+        return [m.stats() for m in self.ranks]
+
+    def write_fetched(
+        self, segments: list[list[tuple[bytes, int]]], rows: dict[int, bytes]
+    ) -> None:
+        """Queue the SSD writes of committed chain segments whose page bytes came back."""
+        assert self.store is not None
+        for segment in segments:
+            pages = [
+                (h, torch.frombuffer(bytearray(rows[p]), dtype=torch.uint8)) for h, p in segment
+            ]
+            self.store.put_chain(pages)
+
+    def flush(self) -> None:
+        """Wait for queued SSD writes (pages still on the workers are the executor's)."""
+        if self.store is not None:
+            self.store.flush()
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.close()

@@ -1,0 +1,165 @@
+"""Parameter and KV byte accounting of a V4.1 config (``flashserve inspect``).
+
+Parameter counts come from the shapes of a ``DeepseekV41`` built on the
+``meta`` device (nothing is allocated), classified by tensor name. KV bytes
+follow the record sizes of docs/design/architecture.md §1.10. What each "active" number
+includes is defined in docs/design/checkpoints.md.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import re
+from dataclasses import asdict, dataclass, field
+from fractions import Fraction
+from typing import Any
+
+import torch
+
+from engine.loader.checkpoint import WeightFormat, skip_init, weight_format
+from engine.model.deepseek_v41.config import ModelConfig
+from engine.model.deepseek_v41.model import DeepseekV41
+from kernels import kv_formats
+
+_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
+_ROUTED_EXPERT = re.compile(r"ffn\.experts\.\d+\.")
+# What layer B must run on every prompt token so its global KV and index keys
+# exist (docs/design/architecture.md §3.1): Engram (it updates R before the attention input),
+# attn_norm, the SWA KV projection, the compressor and the index-key projection.
+# The attention input collapses R with the previous sublayer's `pre` (1.3), so
+# B's own hc_attn coefficients are not needed until its output is mixed.
+_KV_WRITE = re.compile(
+    r"attn_norm\.weight|attn\.(wkv|kv_norm)\.weight|attn\.compressor\..+"
+    r"|attn\.indexer\.(wk|k_norm)\..+|engram\..+"
+)
+
+
+@dataclass(slots=True)
+class LayerAccount:
+    layer: int
+    role: str
+    compress_ratio: int
+    kv_source: int | None
+    index_source: int | None
+    engram: bool
+    stage: str  # "encoder" (< B), "boundary" (B) or "decoder" (> B)
+    params: int  # every parameter of the layer, Engram tables included
+    params_active: int  # what one decode token touches in this layer
+
+
+@dataclass(slots=True)
+class Accounting:
+    params_total: int
+    params_backbone: int
+    params_engram: int
+    params_active_prefill: int
+    params_active_decode: int
+    global_kv_bytes_per_token: int | float
+    swa_kv_bytes_per_request: int
+    persistent_kv_bytes_per_token: int | float
+    ced_boundary: int
+    layers: list[LayerAccount] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every parameter of the text model, built on ``meta``.
+
+    Building the official model takes seconds even on ``meta`` (46k modules),
+    so shapes are cached per config.
+    """
+    return dict(_cached_shapes(json.dumps(config.to_dict(), sort_keys=True)))
+
+
+@functools.lru_cache(maxsize=4)
+def _cached_shapes(config_json: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    with skip_init(), torch.device("meta"):
+        model = DeepseekV41(ModelConfig.from_dict(json.loads(config_json)))
+    # state_dict, not named_parameters: the checkpoint's names (routed experts
+    # per expert, though the module stores them stacked).
+    return tuple((name, tuple(p.shape)) for name, p in model.state_dict(keep_vars=True).items())
+
+
+def is_engram_table(name: str) -> bool:
+    """Engram hash tables: the FP8-row tensors (lookups, ~196B rows x dims officially)."""
+    return weight_format(name) is WeightFormat.FP8_ROWS
+
+
+def _as_number(value: Fraction) -> int | float:
+    return int(value) if value.denominator == 1 else float(value)
+
+
+def global_kv_bytes_per_token(config: ModelConfig) -> int | float:
+    """Main record plus index key of every kv source, one entry per ``ratio`` tokens."""
+    ratios = [config.compress_ratio(s) for s in config.kv_source_layer_ids]
+    return _as_number(kv_formats.global_kv_bytes_per_token(ratios))
+
+
+def swa_kv_bytes_per_request(config: ModelConfig) -> int:
+    """A full sliding window of MXFP8 records in every layer (bounded per request)."""
+    return kv_formats.swa_bytes_per_request(config.sliding_window, config.num_hidden_layers)
+
+
+def account(config: ModelConfig, shapes: dict[str, tuple[int, ...]] | None = None) -> Accounting:
+    """Every number ``flashserve inspect`` prints for ``config``."""
+    shapes = param_shapes(config) if shapes is None else shapes
+    n_layers, boundary = config.num_hidden_layers, config.ced_boundary
+    total = [0] * n_layers
+    routed = [0] * n_layers
+    tables = [0] * n_layers
+    kv_write = 0
+    outside: dict[str, int] = {}  # embed, norm, head
+    for name, shape in shapes.items():
+        numel = math.prod(shape)
+        match = _LAYER.fullmatch(name)
+        if match is None:
+            outside[name] = numel
+            continue
+        layer, local = int(match.group(1)), match.group(2)
+        total[layer] += numel
+        if _ROUTED_EXPERT.match(local):
+            routed[layer] += numel
+        if is_engram_table(name):
+            tables[layer] += numel
+        elif layer == boundary and _KV_WRITE.fullmatch(local):
+            kv_write += numel
+
+    layers = []
+    for l in range(n_layers):
+        # Experts of a layer are identical in shape: one token touches k of them.
+        per_expert, rest = divmod(routed[l], config.n_routed_experts)
+        assert rest == 0, f"layer {l}: routed experts differ in size"
+        active = total[l] - routed[l] - tables[l] + config.num_experts_per_tok * per_expert
+        layers.append(
+            LayerAccount(
+                layer=l,
+                role=config.role(l).value,
+                compress_ratio=config.compress_ratio(l),
+                kv_source=config.kv_source(l),
+                index_source=config.index_source(l),
+                engram=l in config.engram_layer_ids,
+                stage="encoder" if l < boundary else "boundary" if l == boundary else "decoder",
+                params=total[l],
+                params_active=active,
+            )
+        )
+    embed = sum(n for name, n in outside.items() if name.startswith("embed."))
+    params_total = sum(outside.values()) + sum(total)
+    params_engram = sum(tables)
+    global_kv = global_kv_bytes_per_token(config)
+    return Accounting(
+        params_total=params_total,
+        params_backbone=params_total - params_engram,
+        params_engram=params_engram,
+        params_active_prefill=embed + sum(a.params_active for a in layers[:boundary]) + kv_write,
+        params_active_decode=sum(outside.values()) + sum(a.params_active for a in layers),
+        global_kv_bytes_per_token=global_kv,
+        swa_kv_bytes_per_request=swa_kv_bytes_per_request(config),
+        persistent_kv_bytes_per_token=global_kv,  # only global KV is persisted (2.3)
+        ced_boundary=boundary,
+        layers=layers,
+    )

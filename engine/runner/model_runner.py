@@ -1,0 +1,120 @@
+"""The production model runner: paged FP4 global KV, per-request SWA rings, one pass per step.
+
+Every step runs the rows of all scheduled sequences together through the
+model's one forward (``DeepseekV41.forward``) over the paged KV backend
+(``engine/runner/paged_backend.py``), under each sequence's replay plan
+(docs/design/semantics.md):
+
+- a prefill chunk's rows go through each layer from the plan's start of that
+  layer on (the encoder and layer B's KV writes on every row of a cold
+  prefill, the decoder on the last W rows; a restore's triangle of replay);
+- a decode row is a chunk of one row that runs every layer.
+
+The dense oracle is the same forward over ``engine/model/kv/dense_backend.py``;
+the engine tests hold the two together.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.api.request import TokenLogprob
+from engine.core.sequence import Sequence
+from engine.core.step import StepBatch
+from engine.model.deepseek_v41.model import DeepseekV41
+from engine.runner.cuda_graphs import DecodeGraphs
+from engine.runner.paged_backend import PagedKV, Segment
+from engine.sample.prompt_scores import score_rows
+from kvstore.manager import KVCacheManager
+from kvstore.request_state import RequestStateLayout, RequestStatePool
+
+
+class PagedModelRunner:
+    """Implements ``engine.core.step.ModelRunner`` over a ``KVCacheManager``."""
+
+    def __init__(
+        self,
+        model: DeepseekV41,
+        kv: KVCacheManager,
+        max_num_seqs: int,
+        graphs: DecodeGraphs | None = None,
+    ) -> None:
+        self.model = model
+        # Captured decode steps (engine/runner/cuda_graphs.py); None: every step runs eagerly.
+        self.graphs = graphs
+        self.config = config = model.config
+        self.kv = kv
+        self.device = model.embed.weight.device
+        self.ratios = {l: config.compress_ratios[l] for l in config.kv_source_layer_ids}
+        grouped = [l for l in config.kv_source_layer_ids if self.ratios[l] > 1]
+        self.pending_index = {l: i for i, l in enumerate(grouped)}  # compressor state slots
+        self.states = RequestStatePool(
+            RequestStateLayout.for_model(
+                swa_layers=config.num_hidden_layers,
+                sliding_window=config.sliding_window,
+                kv_source_ratios=[self.ratios[l] for l in config.kv_source_layer_ids],
+                head_dim=config.head_dim,
+            ),
+            max_num_seqs,
+            device=str(self.device),
+        )
+        self.pages = {l: kv.page_tensors(l) for l in config.kv_source_layer_ids}
+        self._has_state: set[int] = set()
+        self._prompt_scores: dict[int, list[TokenLogprob]] = {}
+
+    def release(self, seq: Sequence) -> None:
+        if seq.seq_id in self._has_state:
+            self._has_state.discard(seq.seq_id)
+            self.states.free(seq.seq_id)
+
+    @torch.no_grad()
+    def execute(self, batch: StepBatch) -> dict[int, torch.Tensor]:
+        segments = [Segment(s, s.num_tokens - 1, s.num_tokens, True) for s in batch.decodes]
+        segments += [
+            Segment(c.seq, c.start, c.end, c.last and not c.seq.prefill_only)
+            for c in batch.prefills
+            if c.end > c.start  # a prefill-only chunk whose pages all hit runs nothing
+        ]
+        if not segments:
+            return {}
+        if self.model.encoder_only and not all(s.seq.prefill_only for s in segments):
+            raise RuntimeError("an encoder-only model cannot run decoder rows")
+        for seg in segments:
+            if seg.seq.seq_id not in self._has_state:
+                self.states.allocate(seg.seq.seq_id)
+                self._has_state.add(seg.seq.seq_id)
+        kv = PagedKV(
+            segments,
+            self.pages,
+            self.states,
+            self.ratios,
+            self.pending_index,
+            self.config.sliding_window,
+            self.device,
+        )
+        graphs = self.graphs
+        if (
+            graphs is not None
+            and len(segments) == len(batch.decodes)
+            and graphs.fits(len(segments))
+        ):
+            logits = graphs.forward(kv)  # a decode-only step in a captured bucket
+        else:
+            logits = self.model(kv.input_ids(), kv)
+        out: dict[int, torch.Tensor] = {}
+        for seg, first, count in kv.logit_segments():
+            rows = logits[first : first + count]
+            if seg.seq.scores_prompt:  # row p predicts token p + 1, up to the prompt's end
+                seq = seg.seq
+                targets = seq.token_ids[seg.start + 1 : min(seg.end + 1, seq.num_prompt_tokens)]
+                assert seq.prompt_logprobs is not None
+                scores = score_rows(rows, list(targets), seq.prompt_logprobs)
+                self._prompt_scores.setdefault(seq.seq_id, []).extend(scores)
+            if seg.wants_logits:
+                out[seg.seq.seq_id] = rows[-1]
+        return out
+
+    def take_prompt_logprobs(self) -> dict[int, list[TokenLogprob]]:
+        """Prompt-token scores computed since the last call, by sequence."""
+        scores, self._prompt_scores = self._prompt_scores, {}
+        return scores

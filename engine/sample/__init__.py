@@ -1,0 +1,1 @@
+"""From logits to tokens: the sampler and prompt-token scores."""

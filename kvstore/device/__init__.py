@@ -1,0 +1,1 @@
+"""The device tier: page layout and bytes, page hashes, refcounted block pool."""

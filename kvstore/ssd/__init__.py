@@ -1,0 +1,1 @@
+"""The persistent SSD tier: page files, the start-up scan, bounded reads, write health."""

@@ -1,0 +1,1 @@
+"""DeepSeek's chat format: the template, reasoning split, DSML tool calls, grammars."""

@@ -1,0 +1,1 @@
+"""Split deployments: the router, prefill workers, and the page handover between them."""

@@ -1,0 +1,246 @@
+"""The front end of a split deployment (``flashserve serve --role router``).
+
+For each API request the router:
+
+1. posts the body, unchanged, to a prefill worker's internal route
+   (``server/disagg/prefill_worker.py``), which returns once the prompt's full KV
+   pages are durable in the shared SSD tier;
+2. posts the same body to a decode worker's public route with the
+   ``x-flashserve-handover`` header (``server/disagg/handover.py``) and its arrival
+   time (``x-flashserve-arrived-at``: the decode worker's TTFT counts from
+   it); the decode worker restores the pages by its own prefix lookup,
+   replays the last window, prefills the partial last page and generates;
+3. streams the decode worker's response back byte for byte (SSE or JSON,
+   status and error bodies included).
+
+A prefill call that times out or fails (the worker died, the connection was
+cut, a 5xx) is a fallback, counted by reason: the request still goes to a
+decode worker, which computes whatever is missing. A request the prefill
+worker rejects as invalid (4xx) goes on too, so the client gets the decode
+worker's answer for it. The router holds no model and no KV: it
+authenticates the API key and forwards the ``Authorization`` header, so the
+workers derive the same tenant salt (give them the same keys).
+"""
+
+# No `from __future__ import annotations`: FastAPI reads the route signatures at runtime.
+import asyncio
+import contextlib
+import functools
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Annotated
+
+import httpx
+from fastapi import Depends, FastAPI
+from fastapi import Request as HttpRequest
+from fastapi.responses import Response
+from pydantic import ValidationError
+
+from server.disagg.handover import ARRIVAL_HEADER, HANDOVER_HEADER, PREFILL_ROUTES, Handover
+from server.disagg.prefill_worker import PrefillResponse
+from server.disagg.worker_pool import ROUTINGS, Routing, WorkerPool, session_key
+from server.http.auth import api_key_dependency
+from server.http.body_limit import BodySizeLimit
+from server.http.error_handlers import install_error_handlers
+from server.http.errors import server_error, unavailable
+from server.http.sse import DONE, MEDIA_TYPE, WatchedStreamingResponse, event
+from server.metrics.metrics import CONTENT_TYPE, ServerMetrics
+from server.openai.model_routes import add_model_routes
+from server.settings import ServerSettings
+
+logger = logging.getLogger(__name__)
+
+# Response headers worth passing on from a decode worker (not hop-by-hop ones,
+# and not content-length: the router re-streams the body).
+_PASSED_HEADERS = ("content-type", "cache-control", "x-accel-buffering", "retry-after")
+
+
+@dataclass(frozen=True, slots=True)
+class RouterSettings:
+    """Where the pools are and how long the router waits for each."""
+
+    prefill_urls: tuple[str, ...]
+    decode_urls: tuple[str, ...]
+    # The whole prefill call: compute plus the SSD writes becoming durable.
+    prefill_timeout_s: float = 120.0
+    # Between two reads of a decode worker's response (SSE keep-alives arrive
+    # every few seconds; a non-streamed answer arrives whole at the end).
+    decode_timeout_s: float = 600.0
+    connect_timeout_s: float = 5.0
+    # How a worker is chosen (server/disagg/worker_pool.py): a conversation's own worker,
+    # unless it has ``affinity_slack`` more requests in flight than the least busy.
+    routing: Routing = "affinity"
+    affinity_slack: int = 4
+
+    def __post_init__(self) -> None:
+        if not self.prefill_urls or not self.decode_urls:
+            raise ValueError("a router needs at least one prefill URL and one decode URL")
+        for name in ("prefill_timeout_s", "decode_timeout_s", "connect_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"RouterSettings.{name} must be > 0")
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"RouterSettings.routing must be one of {ROUTINGS}")
+        if self.affinity_slack < 0:
+            raise ValueError("RouterSettings.affinity_slack must be >= 0")
+
+
+def create_router_app(
+    settings: ServerSettings,
+    router: RouterSettings,
+    transport: httpx.AsyncBaseTransport | None = None,
+) -> FastAPI:
+    """The public API of a split deployment; ``transport``: for tests."""
+    metrics = ServerMetrics(settings.served_model_name, role="router")
+    prefill_pool, decode_pool = (
+        WorkerPool(urls, router.routing, router.affinity_slack)
+        for urls in (router.prefill_urls, router.decode_urls)
+    )
+    client = httpx.AsyncClient(transport=transport, timeout=router.decode_timeout_s)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        await client.aclose()
+
+    app = FastAPI(title="flashserve router", lifespan=lifespan)
+    install_error_handlers(app)
+    app.add_middleware(
+        BodySizeLimit,
+        max_bytes=settings.max_body_bytes,
+        read_timeout_s=settings.body_read_timeout_s,
+    )
+    auth = api_key_dependency(settings.api_keys)
+
+    async def prefill(
+        path: str, body: bytes, headers: dict[str, str], session: bytes | None
+    ) -> Handover | None:
+        """Publish the prompt's pages through a prefill worker; None on any failure."""
+        url = prefill_pool.order(session)[0]
+        timeout = httpx.Timeout(router.prefill_timeout_s, connect=router.connect_timeout_s)
+        started = time.monotonic()
+        prefill_pool.acquire(url)
+        try:
+            reply = await client.post(
+                url + PREFILL_ROUTES[path], content=body, headers=headers, timeout=timeout
+            )
+        except httpx.TimeoutException:
+            logger.warning("prefill worker %s timed out; the decode worker prefills", url)
+            metrics.disagg.fallback("prefill_timeout")
+            return None
+        except httpx.HTTPError as exc:
+            logger.warning("prefill worker %s failed (%r); the decode worker prefills", url, exc)
+            metrics.disagg.fallback("prefill_error")
+            return None
+        finally:
+            prefill_pool.release(url)
+            metrics.disagg.prefill_seconds.observe(time.monotonic() - started)
+        if reply.status_code == 200:
+            try:
+                published = PrefillResponse.model_validate_json(reply.content)
+            except ValidationError:
+                metrics.disagg.fallback("prefill_error")
+                return None
+            pages = tuple(p.published_pages for p in published.prompts)
+            hits = tuple(p.hit_tokens for p in published.prompts)
+            return Handover(pages, published.published_at, hits)
+        if reply.status_code >= 500 or reply.status_code == 429:
+            logger.warning("prefill worker %s answered %d", url, reply.status_code)
+            metrics.disagg.fallback("prefill_error")
+        # Other 4xx: the request is bad; the decode worker gives the client its error.
+        return None
+
+    async def decode(
+        path: str,
+        body: bytes,
+        headers: dict[str, str],
+        handover: Handover | None,
+        session: bytes | None,
+        arrived_at: float,
+    ) -> Response:
+        headers = {**headers, ARRIVAL_HEADER: repr(arrived_at)}
+        if handover is not None:
+            headers[HANDOVER_HEADER] = handover.header()
+        timeout = httpx.Timeout(router.decode_timeout_s, connect=router.connect_timeout_s)
+        # The next worker only if this one cannot be reached.
+        for url in decode_pool.order(session):
+            request = client.build_request(
+                "POST", url + path, content=body, headers=headers, timeout=timeout
+            )
+            decode_pool.acquire(url)
+            try:
+                upstream = await client.send(request, stream=True)
+            except httpx.ConnectError as exc:
+                decode_pool.release(url)
+                logger.warning("decode worker %s unreachable: %r", url, exc)
+                continue
+            except httpx.HTTPError as exc:
+                decode_pool.release(url)
+                raise unavailable(f"The decode worker failed: {exc!r}") from exc
+            return _relay(upstream, functools.partial(decode_pool.release, url))
+        raise unavailable("No decode worker could be reached")
+
+    async def proxy(request: HttpRequest, _: Annotated[str | None, Depends(auth)]) -> Response:
+        arrived_at = time.time()
+        body = await request.body()
+        headers = {"content-type": request.headers.get("content-type", "application/json")}
+        if "authorization" in request.headers:
+            headers["authorization"] = request.headers["authorization"]
+        session = session_key(body, headers.get("authorization"))
+        handover = await prefill(request.url.path, body, headers, session)
+        return await decode(request.url.path, body, headers, handover, session, arrived_at)
+
+    for path in PREFILL_ROUTES:
+        app.add_api_route(path, proxy, methods=["POST"], response_model=None)
+
+    add_model_routes(app, settings.served_model_name, auth)
+
+    @app.get("/health")
+    async def health() -> dict[str, str | int]:
+        """200 while at least one decode worker is healthy (a dead prefill pool only
+        costs fallbacks)."""
+
+        async def ok(url: str) -> bool:
+            try:
+                reply = await client.get(url + "/health", timeout=router.connect_timeout_s)
+            except httpx.HTTPError:
+                return False
+            return reply.status_code == 200
+
+        checks = await asyncio.gather(*(ok(u) for u in prefill_pool.urls + decode_pool.urls))
+        n = len(prefill_pool.urls)
+        prefill_ok, decode_ok = sum(checks[:n]), sum(checks[n:])
+        if decode_ok == 0:
+            raise unavailable("No decode worker is healthy")
+        return {"status": "ok", "prefill_workers": prefill_ok, "decode_workers": decode_ok}
+
+    @app.get("/metrics", response_class=Response)
+    async def metrics_route() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    return app
+
+
+def _relay(upstream: httpx.Response, release: Callable[[], None]) -> Response:
+    """The decode worker's response, streamed on; closing it (the client left, or the
+    end) closes the upstream connection, which makes the decode worker abort."""
+    sse = upstream.headers.get("content-type", "").startswith(MEDIA_TYPE)
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in upstream.aiter_bytes():  # decoded: no content-encoding passed on
+                yield chunk
+        except httpx.HTTPError as exc:  # the decode worker died or stalled mid-answer
+            logger.warning("decode worker stream failed: %r", exc)
+            if sse:
+                yield b"\n\n" + event(server_error().body()) + DONE
+
+    async def close() -> None:
+        await upstream.aclose()
+        release()
+
+    headers = {k: upstream.headers[k] for k in _PASSED_HEADERS if k in upstream.headers}
+    return WatchedStreamingResponse(
+        body(), status_code=upstream.status_code, headers=headers, on_close=close
+    )

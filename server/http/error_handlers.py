@@ -1,0 +1,54 @@
+"""Exception handlers that give every failure the API's one error shape.
+
+FastAPI's own failures (validation, unknown path, wrong method) and any bug
+leave as ``{"error": {...}}`` with DeepSeek's status codes; both the engine
+app (``server/app.py``) and the router (``server/disagg/router.py``) install them.
+"""
+
+import logging
+from collections.abc import Mapping
+
+from fastapi import FastAPI
+from fastapi import Request as HttpRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from server.http.errors import APIError, from_validation_errors, server_error
+
+logger = logging.getLogger(__name__)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every failure leaves as ``{"error": {...}}`` (the router's app uses them too)."""
+
+    def reply(error: APIError, headers: Mapping[str, str] | None = None) -> JSONResponse:
+        return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+    async def api_error(_: HttpRequest, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, APIError)
+        return reply(exc)
+
+    async def validation_error(_: HttpRequest, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        return reply(from_validation_errors(exc.errors()))
+
+    async def http_error(_: HttpRequest, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        return reply(APIError(exc.status_code, str(exc.detail)), exc.headers)
+
+    async def too_deep(request: HttpRequest, exc: Exception) -> JSONResponse:
+        # A value nested past what a parser or renderer recurses through; the input's
+        # fault, not the server's (the request checks bound depth, this is the backstop).
+        logger.warning("recursion limit on %s %s", request.method, request.url.path)
+        return reply(APIError(400, "The request nests values too deeply"))
+
+    async def unexpected(request: HttpRequest, exc: Exception) -> JSONResponse:
+        logger.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+        return reply(server_error())
+
+    app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(RecursionError, too_deep)
+    app.add_exception_handler(Exception, unexpected)

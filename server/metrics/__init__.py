@@ -1,0 +1,1 @@
+"""Prometheus metrics of a served model, their vLLM aliases, and disaggregation metrics."""

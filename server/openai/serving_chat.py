@@ -1,0 +1,282 @@
+"""``POST /v1/chat/completions`` (and ``/chat/completions``, ``/beta/chat/completions``).
+
+messages -> V4.1 prompt -> engine requests -> ``reasoning_content`` / ``content`` /
+``tool_calls`` per choice, as one JSON body or as SSE chunks. Chat prefix
+completion (a last assistant message with ``prefix: true``) is served at every
+path; DeepSeek documents it under ``/beta``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import Request as HttpRequest
+from fastapi.responses import Response
+
+from engine.api.request import Request
+from server.chat.chat_encoding import ASSISTANT, encode_chat, ends_inside_reasoning
+from server.chat.chat_output import ChatOutputParser
+from server.chat.structured_output import GrammarMaskProvider
+from server.chat.tool_calls import DSML, THINK_END, THINK_START
+from server.http.auth import tenant_salt
+from server.http.errors import APIError, server_error
+from server.http.sse import DONE, KEEP_ALIVE, EventStreamResponse, event
+from server.openai.generation import (
+    ClientGone,
+    EngineCall,
+    Generation,
+    ServingContext,
+    routed_of,
+    run_to_end,
+)
+from server.openai.logprobs import prompt_logprob_entries
+from server.openai.model_names import default_max_tokens, resolve_model, thinking_enabled
+from server.openai.protocol import (
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatDelta,
+    ChunkChoice,
+    PromptLogprob,
+    reasoning_budget,
+    resolve_max_tokens,
+)
+from server.openai.protocol import Usage as ApiUsage
+from server.openai.sampling import check_fan_out, logit_bias, sampling_params
+
+logger = logging.getLogger(__name__)
+
+# nginx's "client closed request": logged, never read.
+CLIENT_CLOSED = 499
+
+
+@dataclass(slots=True)
+class ChatPlan:
+    """What one chat request turned into."""
+
+    id: str
+    created: int
+    model: str  # as the client named it
+    thinking: bool
+    starts_in_reasoning: bool
+    parse_tools: bool
+    logprobs: bool
+    calls: list[EngineCall]
+
+
+async def create_chat_completion(
+    ctx: ServingContext,
+    body: ChatCompletionRequest,
+    *,
+    api_key: str | None,
+    http_request: HttpRequest,
+) -> Response:
+    check_fan_out(ctx, body.n, 1)
+    # Tokenising and grammar compilation happen off the event loop (ServingContext.offload).
+    plan = await ctx.offload(plan_chat, ctx, body, api_key)
+    gen = Generation(
+        ctx,
+        plan.calls,
+        prompt_param="messages",
+        routed=routed_of(ctx, http_request.headers),
+    )
+    think_end_id = ctx.tokenizer.token_to_id(THINK_END)
+    parsers = [
+        ChatOutputParser(
+            starts_in_reasoning=plan.starts_in_reasoning,
+            parse_tools=plan.parse_tools,
+            think_end_id=think_end_id,
+            token_texts=ctx.token_texts if plan.logprobs else None,
+        )
+        for _ in range(body.n)
+    ]
+    if body.stream:
+        return EventStreamResponse(
+            _events(ctx, plan, gen, parsers, body.include_usage), on_close=gen.close
+        )
+    try:
+        await run_to_end(
+            gen,
+            lambda u: parsers[u.index].feed(u.output),
+            http_request.is_disconnected,
+            ctx.settings.disconnect_poll_s,
+        )
+    except ClientGone:
+        return Response(status_code=CLIENT_CLOSED)
+    finally:
+        await gen.close()
+    completion = ChatCompletion(
+        id=plan.id,
+        created=plan.created,
+        model=plan.model,
+        system_fingerprint=ctx.settings.system_fingerprint,
+        choices=[
+            ChatChoice(
+                index=i,
+                message=p.message(plan.thinking),
+                logprobs=p.logprobs(),
+                finish_reason=p.finish_reason,
+            )
+            for i, p in enumerate(parsers)
+        ],
+        usage=gen.usage(sum(p.reasoning_tokens for p in parsers)),
+        prompt_logprobs=_prompt_logprobs(ctx, body, gen),
+    )
+    return Response(completion.model_dump_json(), media_type="application/json")
+
+
+def _prompt_logprobs(
+    ctx: ServingContext, body: ChatCompletionRequest, gen: Generation
+) -> list[dict[str, PromptLogprob] | None] | None:
+    scores = gen.prompt_scores.get(0)
+    if body.prompt_logprobs is None or scores is None:
+        return None
+    return prompt_logprob_entries(ctx.token_texts, scores, body.prompt_logprobs)
+
+
+def plan_chat(ctx: ServingContext, body: ChatCompletionRequest, api_key: str | None) -> ChatPlan:
+    """Prompt, sampling and grammar of every choice; raises ``APIError`` for what cannot run."""
+    route = resolve_model(body.model, ctx.settings.served_model_name)
+    logit_bias(body, ctx.engine.vocab_size)  # cheap checks before the expensive work
+    thinking = thinking_enabled(
+        route, body.thinking.type if body.thinking else None, body.reasoning_effort
+    )
+    tool_choice = body.effective_tool_choice
+    prompt = encode_chat(
+        body.messages,
+        tools=body.tools,
+        tool_choice=tool_choice,
+        thinking=thinking,
+        reasoning_effort=reasoning_budget(body.reasoning_effort),
+        prefix_completion=body.prefix_completion,
+        response_format=body.response_format,
+    )
+    ids = ctx.encode(prompt, "messages")
+    max_tokens = resolve_max_tokens(
+        body.max_output_tokens,
+        len(ids),
+        ctx.engine.max_model_len,
+        default=default_max_tokens(thinking, ctx.settings.default_max_tokens),
+        prompt_param="messages",
+        max_tokens_param="max_completion_tokens" if body.max_completion_tokens else "max_tokens",
+    )
+    starts_in_reasoning = thinking and ends_inside_reasoning(prompt)
+    uses_tools = bool(body.tools) and tool_choice != "none"
+
+    def grammar() -> GrammarMaskProvider | None:
+        return ctx.structured.for_request(
+            response_format=body.response_format,
+            tools=body.tools if uses_tools else None,
+            tool_choice=tool_choice if uses_tools else None,
+            parallel_tool_calls=body.parallel_tool_calls,
+            starts_in_reasoning=starts_in_reasoning,
+            prefix=answer_prefix(prompt, starts_in_reasoning) if body.prefix_completion else "",
+        )
+
+    # tool_choice "none" with tools listed: the calls block cannot start.
+    dsml_id = ctx.tokenizer.token_to_id(DSML)
+    banned = [dsml_id] if body.tools and not uses_tools and dsml_id is not None else []
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    salt = tenant_salt(api_key, body.cache_salt)
+
+    def call(k: int, n: int, mask: GrammarMaskProvider | None) -> EngineCall:
+        params = sampling_params(
+            body,
+            max_tokens=max_tokens,
+            n=n,
+            logprobs=logprobs,
+            vocab_size=ctx.engine.vocab_size,
+            banned=banned,
+            seed_offset=k,
+            mask_provider=mask,
+            prompt_logprobs=body.prompt_logprobs if k == 0 else None,  # one call scores it
+        )
+        return EngineCall(Request(f"{request_id}-{k}", ids, params, cache_salt=salt), k)
+
+    first = grammar()
+    if first is None:
+        calls = [call(0, body.n, None)]
+    else:  # a grammar follows one sequence: one engine request per choice
+        calls = [call(k, 1, first if k == 0 else grammar()) for k in range(body.n)]
+    return ChatPlan(
+        id=request_id,
+        created=int(time.time()),
+        model=route.name,
+        thinking=thinking,
+        starts_in_reasoning=starts_in_reasoning,
+        parse_tools=uses_tools,
+        logprobs=logprobs is not None,
+        calls=calls,
+    )
+
+
+def answer_prefix(prompt: str, starts_in_reasoning: bool) -> str:
+    """The output text a prefix-completion prompt already holds (what a grammar must accept
+    first): the reasoning when it is still open, else the answer after ``</think>``."""
+    tail = prompt[prompt.rfind(ASSISTANT) + len(ASSISTANT) :]
+    if starts_in_reasoning:
+        return tail[tail.rfind(THINK_START) + len(THINK_START) :]
+    end = tail.rfind(THINK_END)
+    return tail[end + len(THINK_END) :] if end >= 0 else tail
+
+
+async def _events(
+    ctx: ServingContext,
+    plan: ChatPlan,
+    gen: Generation,
+    parsers: list[ChatOutputParser],
+    include_usage: bool,
+) -> AsyncIterator[bytes]:
+    """The SSE body: a role chunk per choice, deltas, one finish chunk per choice,
+    [usage chunk], ``[DONE]``; keep-alive comments while nothing comes."""
+    exclude = None if include_usage else {"usage"}
+
+    def chunk(choices: list[ChunkChoice], usage: ApiUsage | None = None) -> bytes:
+        payload = ChatCompletionChunk(
+            id=plan.id,
+            created=plan.created,
+            model=plan.model,
+            system_fingerprint=ctx.settings.system_fingerprint,
+            choices=choices,
+            usage=usage,
+        )
+        return event(payload, exclude=exclude)
+
+    for i in range(len(parsers)):
+        yield chunk([ChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
+    try:
+        while not gen.finished:
+            updates = await gen.next(ctx.settings.keep_alive_s)
+            if updates is None:
+                yield KEEP_ALIVE
+                continue
+            for u in updates:
+                parser = parsers[u.index]
+                piece = parser.feed(u.output)
+                if not piece.empty:
+                    logprobs = piece.logprobs() if plan.logprobs else None
+                    delta = piece.delta(plan.thinking)
+                    yield chunk([ChunkChoice(index=u.index, delta=delta, logprobs=logprobs)])
+                if u.output.finished:
+                    finish = parser.finish_reason
+                    yield chunk(
+                        [ChunkChoice(index=u.index, delta=ChatDelta(), finish_reason=finish)]
+                    )
+    except APIError as exc:
+        yield event(exc.body())
+        yield DONE
+        return
+    except Exception:  # a bug: the status line is sent, so end the stream with the error
+        logger.exception("stream %s failed", plan.id)
+        yield event(server_error().body())
+        yield DONE
+        return
+    if include_usage:
+        yield chunk([], usage=gen.usage(sum(p.reasoning_tokens for p in parsers)))
+    yield DONE
