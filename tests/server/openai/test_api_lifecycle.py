@@ -112,7 +112,7 @@ def test_start_up_log_has_the_load_summary_and_no_bar(live_server: LiveServer) -
     no progress bar (docs/design/checkpoints.md)."""
     log = live_server.log_path.read_text(errors="replace")
     summary = re.search(
-        r"INFO engine\.weight_stream: loaded \S+: [\d.]+ GB \((\d+) B\) from 1 shard\(s\) "
+        r"INFO engine\.loader\.weight_stream: loaded \S+: [\d.]+ GB \((\d+) B\) from 1 shard\(s\) "
         r"in [\d.]+ s \([\d.]+ GB/s\); placed cpu [\d.]+ GB",
         log,
     )
