@@ -7,20 +7,34 @@ holds the same: ``--prices HIT,MISS,OUTPUT`` with ``--off-peak-window`` and
 ``--off-peak-discount``, or ``--price-file`` (JSON, the same fields; see
 ``PriceTable.from_json``). A request is priced at the rates in force when it
 arrived (wall clock, UTC). The window may wrap midnight; its start is inside
-it, its end is not.
+it, its end is not. A window written with ``Z`` or an offset (``16:30+08:00``)
+is read in that zone and kept in UTC.
+
+Every check happens when the table is built (``flashserve serve`` refuses bad
+settings before loading, with one line): prices finite and non-negative, the
+cache-hit price at most the cache-miss one (a hit never costs more than the
+work it saves), a short currency code. Pricing a request then cannot raise, and
+no metric receives a negative or non-finite amount.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, date, datetime
 from datetime import time as Time
 from pathlib import Path
 from typing import Any
 
 PER_TOKENS = 1_000_000  # prices are per million tokens
 KINDS = ("cache_hit_input", "cache_miss_input", "output")
+MAX_CURRENCY_CHARS = 8  # "USD", "CNY", "credits"
+# Far above any real price, low enough that a price times any token count stays finite.
+MAX_PRICE = 1e9
+_TIME = r"(\d{1,2}:\d{2}(?::\d{2})?(?:Z|[+-]\d{2}:?\d{2})?)"
+_WINDOW = re.compile(rf"{_TIME}\s*-\s*{_TIME}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,8 +47,14 @@ class Rates:
 
     def __post_init__(self) -> None:
         for kind in KINDS:
-            if not getattr(self, kind) >= 0:
-                raise ValueError(f"prices: {kind} must be >= 0")
+            price = getattr(self, kind)
+            if not (math.isfinite(price) and 0 <= price <= MAX_PRICE):
+                raise ValueError(f"prices: {kind} must be from 0 to {MAX_PRICE:g}, not {price}")
+        if self.cache_hit_input > self.cache_miss_input:
+            raise ValueError(
+                "prices: cache_hit_input must not exceed cache_miss_input "
+                f"({self.cache_hit_input} > {self.cache_miss_input})"
+            )
 
     def scaled(self, factor: float) -> Rates:
         return Rates(
@@ -68,17 +88,22 @@ class PriceTable:
     off_peak_discount: float = 0.0  # fraction off every price, 0.5 = half price
 
     def __post_init__(self) -> None:
+        if not (0 < len(self.currency) <= MAX_CURRENCY_CHARS and self.currency.isprintable()):
+            raise ValueError(
+                f"currency: a short code of 1 to {MAX_CURRENCY_CHARS} characters, "
+                f"not {self.currency!r}"
+            )
         if (self.off_peak_start is None) != (self.off_peak_end is None):
             raise ValueError("off-peak window: give both its start and its end")
         if self.off_peak_start is not None and self.off_peak_start == self.off_peak_end:
             raise ValueError("off-peak window: start and end must differ")
-        if not 0 <= self.off_peak_discount <= 1:
+        if not 0 <= self.off_peak_discount <= 1:  # also refuses NaN
             raise ValueError("off-peak discount: a fraction from 0 to 1")
 
     def is_off_peak(self, when: datetime) -> bool:
         if self.off_peak_start is None or self.off_peak_end is None:
             return False
-        t = when.astimezone(UTC).time().replace(tzinfo=None)
+        t = when.astimezone(UTC).time()
         start, end = self.off_peak_start, self.off_peak_end
         if start < end:
             return start <= t < end
@@ -135,25 +160,59 @@ class PriceTable:
         missing = [k for k in KINDS if k not in data]
         if missing:
             raise ValueError(f"price file: missing {missing}")
-        rates = Rates(*(float(data[k]) for k in KINDS))
+        rates = Rates(*(_number(data[k], f"price file: {k}") for k in KINDS))
+        currency = data.get("currency", "USD")
+        if not isinstance(currency, str):
+            raise ValueError(f"price file: currency must be a string, not {currency!r}")
         off_peak = data.get("off_peak") or {}
-        start, end = _window(off_peak["window"]) if "window" in off_peak else (None, None)
-        return cls(
-            rates,
-            str(data.get("currency", "USD")),
-            start,
-            end,
-            float(off_peak.get("discount", 0.0)),
-        )
+        if not isinstance(off_peak, dict):
+            raise ValueError(
+                'price file: off_peak must be {"window": "HH:MM-HH:MM", "discount": x}'
+            )
+        unknown = set(off_peak) - {"window", "discount"}
+        if unknown:
+            raise ValueError(f"price file: unknown off_peak fields {sorted(unknown)}")
+        window = off_peak.get("window")
+        if window is not None and not isinstance(window, str):
+            raise ValueError(f'price file: off_peak window must be "HH:MM-HH:MM", not {window!r}')
+        start, end = _window(window) if window else (None, None)
+        discount = _number(off_peak.get("discount", 0.0), "price file: off_peak discount")
+        return cls(rates, currency, start, end, discount)
 
     @classmethod
     def from_file(cls, path: str | Path) -> PriceTable:
-        return cls.from_json(json.loads(Path(path).read_text()))
+        try:
+            data = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"price file {path}: not JSON ({exc})") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"price file {path}: a JSON object of prices")
+        return cls.from_json(data)
+
+
+def _number(value: object, what: str) -> float:
+    """A JSON number as a float (``true`` and strings are not numbers here)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{what}: a number, not {value!r}")
+    return float(value)
 
 
 def _window(text: str) -> tuple[Time, Time]:
+    """``HH:MM-HH:MM`` in UTC; either end may carry ``Z`` or an offset (``+05:00``,
+    ``-05:00``), so the separator is found by the shape of a time, not the first ``-``."""
+    match = _WINDOW.fullmatch(text.strip())
     try:
-        start, end = text.split("-")
-        return Time.fromisoformat(start.strip()), Time.fromisoformat(end.strip())
+        if match is None:
+            raise ValueError
+        return _utc_time(match[1]), _utc_time(match[2])
     except ValueError:
         raise ValueError(f"off-peak window {text!r}: expected HH:MM-HH:MM (UTC)") from None
+
+
+def _utc_time(text: str) -> Time:
+    """A time of day as a naive UTC time; an offset is applied on a fixed day, so
+    ``01:00+05:00`` is 20:00 UTC."""
+    t = Time.fromisoformat(text.strip())
+    if t.tzinfo is None:
+        return t
+    return datetime.combine(date(2000, 1, 3), t).astimezone(UTC).time().replace(tzinfo=None)

@@ -96,6 +96,69 @@ def test_price_file_and_bad_tables() -> None:
         PriceTable.from_flags("1,2,3", off_peak_window="10:00-10:00")
 
 
+@pytest.mark.parametrize(
+    ("window", "inside", "outside"),
+    [
+        ("00:00Z-23:59Z", at(12, 0), at(23, 59, 30)),  # Z: already UTC
+        ("16:30+00:00-00:30+00:00", at(16, 30), at(0, 30)),
+        # 21:30-05:30 at +05:00 is 16:30-00:30 UTC, wrapping midnight.
+        ("21:30+05:00-05:30+05:00", at(23, 0), at(12, 0)),
+        ("11:30-05:00-19:30-05:00", at(16, 30), at(0, 30)),  # a negative offset
+    ],
+)
+def test_windows_with_a_zone_are_read_in_utc(window: str, inside, outside) -> None:
+    """A window written with Z or an offset used to pass start-up and then make
+    every request a TypeError (naive vs aware times)."""
+    table = PriceTable.from_flags("1,2,3", off_peak_window=window, off_peak_discount=0.5)
+    assert table.off_peak_start is not None and table.off_peak_start.tzinfo is None
+    assert table.is_off_peak(inside) and not table.is_off_peak(outside)
+    cost = table.cost(hit_tokens=1, miss_tokens=1, output_tokens=1, when=inside)
+    assert cost.off_peak and cost.total == pytest.approx(3e-6)
+
+
+@pytest.mark.parametrize(
+    "prices",
+    ["5,1,3", "1,1,1e400", "nan,1,1", "1,inf,1", "1,2,-0.5", "1,2,1e10"],
+)
+def test_prices_that_could_fail_a_request_are_refused(prices: str) -> None:
+    """A hit price above the miss price made every cache hit a 500 (a negative
+    saved-by-cache into a counter); an infinite price gave a null cost and +Inf."""
+    with pytest.raises(ValueError, match="prices"):
+        PriceTable.from_flags(prices)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("off_peak", {"window": 5}),
+        ("off_peak", "16:30-00:30"),
+        ("off_peak", {"window": "16:30-00:30", "discount": None}),
+        ("off_peak", {"window": "16:30-00:30", "rate": 0.5}),
+        ("output", None),
+        ("output", [1]),
+        ("output", True),
+        ("output", "1"),
+        ("currency", {"code": "USD"}),
+        ("currency", ""),
+        ("currency", "DOLLARS-US"),
+    ],
+)
+def test_bad_price_file_contents_are_value_errors(field: str, value: object) -> None:
+    """Each used to raise AttributeError/TypeError past serve's handler, or (a dict
+    currency) to be accepted as its repr."""
+    data = {"cache_hit_input": 0.1, "cache_miss_input": 0.2, "output": 1.0, field: value}
+    with pytest.raises(ValueError):
+        PriceTable.from_json(data)
+
+
+def test_a_price_file_that_is_not_an_object(tmp_path) -> None:
+    for text in ("[1, 2, 3]", "{not json"):
+        path = tmp_path / "prices.json"
+        path.write_text(text)
+        with pytest.raises(ValueError, match="price file"):
+            PriceTable.from_file(path)
+
+
 def test_usage_cost_and_counters_of_a_request() -> None:
     """10 prompt tokens (4 cached), 2 output tokens at 100 / 200 / 1000 per million,
     arriving off-peak (half price)."""
