@@ -31,6 +31,7 @@ from server.http.input_checks import check_arguments_text, check_body
 
 MAX_TOOLS = 128
 MAX_STOP = 16
+MAX_TOKEN_ID_DIGITS = 9  # token ids stay below 10^9
 MAX_TOP_LOGPROBS = 20
 MAX_N = 128
 # DeepSeek's reasoning_effort aliases on the V4.1 budget scale (docs/design/architecture.md §3.2:
@@ -264,7 +265,14 @@ class _SamplingRequest(_Request):
     def _logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         for key, bias in (value or {}).items():
             if not (key.isascii() and key.isdigit()):
-                raise _parameter_error("keys are token ids; got '{k}'", k=key)
+                raise _parameter_error("keys are token ids; got '{k}'", k=key[:32])
+            # Past Python's int-string limit int() raises; no vocabulary is that large.
+            if len(key) > MAX_TOKEN_ID_DIGITS:
+                raise _parameter_error(
+                    "keys are token ids of at most {d} digits; got {n} digits",
+                    d=MAX_TOKEN_ID_DIGITS,
+                    n=len(key),
+                )
             if not (math.isfinite(bias) and -100 <= bias <= 100):
                 raise _parameter_error("biases lie in [-100, 100]; got {b}", b=bias)
         return value

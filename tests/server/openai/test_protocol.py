@@ -161,6 +161,8 @@ def test_accessors() -> None:
         ),
         ({"logit_bias": {"abc": 1}}, 422, "logit_bias", "token ids"),
         ({"logit_bias": {"²": 1}}, 422, "logit_bias", "token ids"),
+        # 5,000 digits: past Python's int-string limit (a 500 before).
+        ({"logit_bias": {"9" * 5000: 1}}, 422, "logit_bias", "at most 9 digits"),
         ({"seed": 2**64}, 422, "seed", "less than"),
         ({"logit_bias": {"5": 101}}, 422, "logit_bias", "[-100, 100]"),
         ({"tools": [TOOL] * 129}, 422, "tools", "at most 128"),
