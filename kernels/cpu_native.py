@@ -1,6 +1,6 @@
 """A few CPU loops in C, compiled once per machine and called through ``ctypes``.
 
-On CPU a decode step's cost is mostly per-operation dispatch (issue 17): tiny
+On CPU a decode step's cost is mostly per-operation dispatch (docs/BENCHMARKS.md): tiny
 tensor operations repeated in Python loops. The loops here do the same
 arithmetic as the eager code they replace, in the same order, in one call:
 
