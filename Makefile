@@ -27,11 +27,13 @@ serve: setup
 	$(BIN)/flashserve serve --model $(MODEL) --host $(HOST) --port $(PORT)
 
 # Static types too (mypy, configured in pyproject.toml: engine, kvstore, kernels,
-# server, training).
+# server, training), and the import layering of docs/design/architecture.md
+# (lint-imports: the contracts in pyproject.toml's [tool.importlinter]).
 lint: setup lint-deploy
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 # Dockerfiles, compose, kustomize overlays, alert rules (scripts/lint_deploy.sh).
 lint-deploy: setup

@@ -1,10 +1,10 @@
-"""flashserve against transformers eager at the same dimensions (issue 17's anchor).
+"""flashserve against transformers eager at the same dimensions (the CPU decode anchor).
 
     .venv/bin/python bench/anchor_transformers.py [--streams 1 8 32] [--prefill 4096]
 
 Optional: needs ``transformers`` (installed only as a test extra; never a
 runtime dependency). Both sides run on this CPU with one intra-op thread, fp32,
-random weights, at issue 17's dimensions: hidden 256, 8 layers, the 512-d latent,
+random weights, at the anchor's dimensions: hidden 256, 8 layers, the 512-d latent,
 8 routed experts top-2 plus one shared, sliding window 16, the 129,280-token
 vocabulary. transformers runs ``DeepseekV4ForCausalLM`` (it has no V4.1; its
 default V4 attention schedule, the ``eager`` attention and experts

@@ -1,6 +1,6 @@
 """Time to first token of a long prompt through HTTP, CED vs full depth, SSD tier on.
 
-Issue 17's goal: with ``--kv-dir`` set, a 4K prompt's TTFT with CED (the
+The goal (docs/BENCHMARKS.md): with ``--kv-dir`` set, a 4K prompt's TTFT with CED (the
 default) is <= 0.55x that of full-depth prefill (``--disable-ced``). This starts
 ``flashserve serve --model tiny --kv-dir <fresh tmp>`` once per mode
 (``OMP_NUM_THREADS=1``), and sends one streamed ``/v1/completions``

@@ -1,4 +1,4 @@
-"""Held-out perplexity of the demo model at 1K and 8K tokens of context (issue 19).
+"""Held-out perplexity of the demo model at 1K and 8K tokens of context.
 
 The held-out plays (BOS + text, concatenated as training.data does) give
 ``--spans`` spans of ``--long`` tokens, evenly spaced from the first token to

@@ -1,4 +1,4 @@
-"""Decode step cost of one or more git revisions, side by side in one run (issue 17).
+"""Decode step cost of one or more git revisions, side by side in one run.
 
     .venv/bin/python bench/decode_bench.py --revs BASE HEAD WORKTREE [--repeats 3]
 

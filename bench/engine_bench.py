@@ -1,4 +1,4 @@
-"""Engine benchmarks of issue 4, measured side by side in one run.
+"""The engine's performance goals (docs/BENCHMARKS.md), measured side by side in one run.
 
 P1  prefill time of a long prompt, CED vs full depth (``--disable-ced``); goal <= 0.55.
 P3  decode step time at a long context vs 1K (top-k sparse + candidate blocks), and the

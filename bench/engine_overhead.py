@@ -6,7 +6,7 @@
 thread): ``batch`` greedy requests of 48 random tokens, all prefilled before
 measuring, then ``steps`` tokens each. The share is ``1 - execute / step`` from
 the engine's own counters (the runner's forward vs the whole ``LLMEngine.step``:
-scheduling, sampling, appending, detokenising). Issue 17's goal: <= 5 % at
+scheduling, sampling, appending, detokenising). The goal (docs/BENCHMARKS.md): <= 5 % at
 batch 32.
 """
 

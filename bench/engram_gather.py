@@ -1,4 +1,4 @@
-"""Per-step cost of gathering Engram rows from a memory-mapped FP8 table (issue 15).
+"""Per-step cost of gathering Engram rows from a memory-mapped FP8 table.
 
 A decode step of the official config at batch ``--batch`` reads, per Engram
 layer, ``n_orders * n_heads`` = 24 rows per token (3 n-gram orders x 8 heads),

@@ -19,8 +19,8 @@ One command for a machine with a GPU (docs/design/kernels.md):
    without CUDA).
 
 With ``--device cpu`` step 2 compares the CPU with itself (the CI check of this
-script). Weights stay as the loader returns them (dequantised); packed FP8/FP4
-weights are issue 15's item 1, not yet built.
+script). Weights load as ``load_checkpoint`` defaults (``quantization="auto"``: the
+FP8 linears and MXFP4 experts stay packed).
 """
 
 from __future__ import annotations

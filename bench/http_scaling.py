@@ -1,6 +1,6 @@
 """HTTP output tokens/s at 1 and 32 concurrent streams, engine in-process vs its own process.
 
-Issue 17's HTTP goal: 32 concurrent streams give >= 10x the output tokens/s of
+The HTTP goal (docs/BENCHMARKS.md): 32 concurrent streams give >= 10x the output tokens/s of
 one. This starts ``flashserve serve --model tiny`` twice, one after the other
 on the same machine, once with ``--in-process-engine`` and once with the
 engine core in its own process (the default), each with one intra-op thread

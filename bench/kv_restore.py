@@ -1,4 +1,4 @@
-"""Restore a prefix from the SSD tier and replay vs recomputing it (issues 3 and 14).
+"""Restore a prefix from the SSD tier and replay vs recomputing it.
 
 (a) restore: the tiny layout's pages for an 8K-token prefix are written through
     the KVCacheManager, fsynced, and dropped from the OS page cache

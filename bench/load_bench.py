@@ -13,7 +13,7 @@ nothing dense is ever built): FP8 E4M3 blocks for the projections, MXFP4 pairs
 for the routed experts, FP8 rows for the Engram tables, each with E8M0 scales,
 BF16/FP32 for the rest; random bytes, finite values.
 
-The bound (issue 15): peak RSS <= 1.3 x the largest shard + the model's resident
+The bound (docs/BENCHMARKS.md): peak RSS <= 1.3 x the largest shard + the model's resident
 bytes (parameters and buffers after the load) + the interpreter's RSS just
 before the load (torch and the engine imported). The shard term is the one
 shard mapped at a time; 0.3 of it covers the slice temporaries.

@@ -1,4 +1,4 @@
-"""Which parts of a decode step dispatch its tensor operations (issue 17's op counts).
+"""Which parts of a decode step dispatch its tensor operations.
 
     .venv/bin/python bench/op_breakdown.py [--batch 1]
 

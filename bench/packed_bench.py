@@ -1,4 +1,4 @@
-"""Decode step time with packed FP8 linears vs weights dequantised at load (issue 15).
+"""Decode step time with packed FP8 linears vs weights dequantised at load.
 
     .venv/bin/python bench/packed_bench.py [--dtype bfloat16] [--batch 1 8] [--steps 24]
 
@@ -9,7 +9,7 @@ time) and ``quantization="none"`` (every weight in ``--dtype``). One intra-op
 thread, the paged runner; for each batch size both engines prefill the same
 ``batch`` prompts of 48 tokens, then decode steps alternate between the two
 engines so drifts in machine load hit both. Prints the median step time of each,
-their ratio (the issue's goal: packed <= 1.5x on CPU), the same for the step's
+their ratio (the goal: packed <= 1.5x on CPU), the same for the step's
 CPU time (``time.thread_time``: the steadier figure on a shared host, where wall
 time includes waiting for a core) and the bytes the dense FP8 linears hold; JSON
 in ``bench/results/packed_bench.json``.

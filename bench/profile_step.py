@@ -1,4 +1,4 @@
-"""Where a decode step's time goes: ``torch.profiler`` over engine steps (issue 17).
+"""Where a decode step's time goes: ``torch.profiler`` over engine steps.
 
     .venv/bin/python bench/profile_step.py [--batch 1 8 32] [--steps 8] [--top 15]
     .venv/bin/python bench/profile_step.py --prefill 4096 [--top 15]

@@ -1,4 +1,4 @@
-"""Quality cost of FP4 KV, CED replay, bounded-replay restore and sparse attention (issue 9).
+"""Quality cost of FP4 KV, CED replay, bounded-replay restore and sparse attention.
 
 Held-out perplexity and next-token KL against a reference forward, on the
 trained demo checkpoint (models/demo) and the two held-out plays of its corpus:

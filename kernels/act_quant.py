@@ -68,7 +68,8 @@ _CONSTANTS: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] 
 def _scaled_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(``x / scale`` per block, saturated to +-448, ``[..., K / 32, 32]``; the scales).
 
-    The fused form of ``e4m3_encode(blocks / block_scales(nan-free amax))``: eight
+    The fused form of ``e4m3_encode(blocks / pow2(pow2_exponent(nan-free amax, 448, 1e-4)))``:
+    eight
     tensor ops, intermediates updated in place. An inf in a block gives the scale
     2^120, as the rule's ``nan_to_num`` (inf -> the largest float) does; the value
     saturates to 448.
@@ -100,21 +101,6 @@ def _constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.
         )
         _CONSTANTS[device] = consts
     return consts
-
-
-def block_scales(amax: torch.Tensor) -> torch.Tensor:
-    """``2^e`` with ``e = ceil(log2(max(amax, 1e-4) / 448))`` (inf: 2^127), from amax's bits.
-
-    ``pow2(pow2_exponent(amax, 448, 1e-4))`` in a few integer ops: with
-    ``a = 1.f * 2^(F - 127)`` and ``448 = 1.75 * 2^8`` the exponent is
-    ``F - 135``, plus one when ``1.f > 1.75`` (the fraction bits above
-    0x600000); the scale's float32 bits are its biased exponent shifted into place.
-    The floor keeps every finite amax's exponent within [-22, 120].
-    """
-    bits = amax.float().clamp(min=ACT_AMAX_FLOOR).view(torch.int32)
-    field = (bits >> 23) - 8 + ((bits & 0x7FFFFF) > 0x600000).to(torch.int32)
-    field = field.masked_fill_(bits >= 0x7F800000, 254)  # inf: 2^127, as the exact rule
-    return (field << 23).view(torch.float32)
 
 
 def dequantize_act_fp8(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """A few CPU loops in C, compiled once per machine and called through ``ctypes``.
 
-On CPU a decode step's cost is mostly per-operation dispatch (issue 17): tiny
-tensor operations repeated in Python loops. The loops here do the same
+On CPU a decode step's cost is mostly per-operation dispatch (the decode-step
+profiles in docs/benchmarks/history.md): tiny tensor operations repeated in
+Python loops. The loops here do the same
 arithmetic as the eager code they replace, in the same order, in one call:
 
 - ``fs_sinkhorn_f32/f64``: mHC's Sinkhorn passes (``kernels.cpu_sinkhorn``);

@@ -39,20 +39,6 @@ def locate(
     return block_table[torch.div(j, entries_per_page, rounding_mode="floor")], j % entries_per_page
 
 
-def read_main_records(
-    main_data: torch.Tensor, main_scales: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor
-) -> torch.Tensor:
-    """The 288-byte records ``uint8[..., 288]`` at (pages, slots)."""
-    return torch.cat((main_data[pages, slots], main_scales[pages, slots]), dim=-1)
-
-
-def read_index_records(
-    index_data: torch.Tensor, index_scales: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor
-) -> torch.Tensor:
-    """The 68-byte records ``uint8[..., 68]`` at (pages, slots)."""
-    return torch.cat((index_data[pages, slots], index_scales[pages, slots]), dim=-1)
-
-
 def is_raw_bf16(scales: torch.Tensor) -> bool:
     """True for the bf16 ablation's pages: records without scale bytes."""
     return scales.shape[-1] == 0

@@ -8,8 +8,8 @@ release's numerics: the activation is quantised to E4M3 per block of 32
 and the dot products accumulate in fp32 (docs/design/kernels.md, "Fused MoE").
 
 The public op runs the Triton grouped GEMM (one launch over every active
-expert) or the CPU reference, a loop over the experts that received rows which
-dequantises one expert's weight at a time into a scratch tile
+expert) or the CPU reference, which dequantises the weights of the experts that
+received rows a chunk of experts at a time and multiplies each expert's rows
 (``kernels.dispatch``). ``grouped_mxfp4_matmul_float64`` is the oracle: the same
 quantised operands multiplied and summed in float64.
 """
@@ -98,23 +98,6 @@ def _decode_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     return _TABLES[device]
 
 
-def dequantize_expert_tile(
-    w: torch.Tensor, w_scale: torch.Tensor, out: torch.Tensor
-) -> torch.Tensor:
-    """One expert's MXFP4 weight ``[N, K/2]`` (+ ``[N, K/32]`` scales) into fp32 ``out [N, K]``.
-
-    Equal to ``dequantize_mxfp4_weight`` (exactly: an E2M1 value times a power
-    of two), with one table lookup per byte written straight into ``out``: the
-    CPU path reuses one scratch tile for every active expert of a step.
-    """
-    pairs, scales = _decode_tables(w.device)
-    n = w.shape[0]
-    torch.index_select(pairs, 0, w.reshape(-1).view(torch.uint8).long(), out=out.view(-1, 2))
-    s = scales.index_select(0, w_scale.reshape(-1).view(torch.uint8).long())
-    out.view(n, -1, BLOCK).mul_(s.view(n, -1, 1))
-    return out
-
-
 def grouped_mxfp4_matmul_reference(
     a_values: torch.Tensor,
     a_scales: torch.Tensor,
@@ -171,7 +154,7 @@ def grouped_mxfp4_matmul_cpu(
     """``grouped_mxfp4_matmul_reference`` from the dequantised activation ``a [M, K]`` (fp32).
 
     The active experts' weights are decoded together, a chunk at a time
-    (``expert_chunks``; each weight exactly as ``dequantize_expert_tile`` decodes
+    (``expert_chunks``; each weight exactly as ``dequantize_mxfp4_weight`` decodes
     it), then one matmul per expert writes its rows of the output: the same
     products and sums as decoding one expert at a time, in a few tensor ops per
     chunk instead of a dozen per expert.

@@ -1,4 +1,4 @@
-"""Worst-case /health latency while a server is attacked with the inputs of issue 18.
+"""Worst-case /health latency while a server is attacked (docs/design/hardening.md).
 
 Starts ``flashserve serve --model tiny`` on a free loopback port with default limits
 (or probes ``--url``), polls /health every 50 ms from a thread, and runs each

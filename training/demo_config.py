@@ -18,7 +18,7 @@ DEMO_NAME = "demo"
 DEMO_VOCAB_SIZE = 4096
 # Engram primes start above this (docs/design/architecture.md §1.9): ~4k rows per head and order.
 DEMO_ENGRAM_VOCAB = 4000
-# The engine's max_model_len: room for the tool prompts agent frameworks send (issue 19).
+# The engine's max_model_len: room for the tool prompts agent frameworks send.
 # Training saw 256 tokens; RoPE is relative and the SWA layers see 32, so positions past
 # that are a question of quality, measured in docs/QUALITY.md (perplexity at 1K and 8K).
 DEMO_MAX_POSITIONS = 8192

@@ -4,7 +4,7 @@
     .venv/bin/python -m training.json_warm_start --base /tmp/base/models/demo --out /tmp/s1
     .venv/bin/python -m training.json_warm_start --resume /tmp/s1 --out models/demo \
         --mix 0.4,0.1 --lr 3e-4 --warmup 10 --served-ends --short-replies 0.5 --eos-weight 3 \
-        --minutes 25                                           # the committed demo (issue 19)
+        --minutes 25                                           # the committed demo
 
 (or ``flashserve train-demo --base-only --out /tmp/base`` to rebuild that base from
 nothing; without ``--base-only`` it runs all three steps).
@@ -64,7 +64,7 @@ TOOL_CONVERSATIONS = 1000  # ~2.2 MB of tool-call text to learn the merges on
 MERGE_SEED = 1
 BPB_SPANS, BPB_CHARS = 32, 1024
 EVAL_WINDOWS = 16
-# The second stage of the committed demo (issue 19): sequences shaped as served,
+# The second stage of the committed demo (docs/QUALITY.md): sequences shaped as served,
 # short chat replies and EOS weighted 3x, so that a chat reply ends with EOS.
 SHIPPED_STAGE_2 = [
     "--mix", "0.4,0.1", "--lr", "3e-4", "--warmup", "10",

@@ -99,10 +99,6 @@ class Parallel:
             raise ValueError(f"{what} = {n} is not divisible by the TP size {self.tp_size}")
         return n // self.tp_size
 
-    def tp_slice(self, n: int) -> tuple[int, int]:
-        part = n // self.tp_size
-        return self.tp_rank * part, (self.tp_rank + 1) * part
-
     def experts(self, n_experts: int) -> tuple[int, int]:
         """``[first, stop)`` of the routed experts this rank holds."""
         return expert_range(n_experts, self.ep_rank, self.ep_size)

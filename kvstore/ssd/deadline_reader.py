@@ -1,4 +1,6 @@
-"""Disk reads for the engine thread, bounded by a deadline (issue 18, finding 7).
+"""Disk reads for the engine thread, bounded by a deadline.
+
+Why: docs/design/kvstore.md, "Persistent tier" (the read deadline).
 
 The engine plans a restore on its own thread; a read that blocks there (a hung
 NFS server, a file swapped for something that never answers) would stop every

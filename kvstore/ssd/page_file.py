@@ -83,7 +83,7 @@ def temp_name(page_hash: bytes) -> str:
     """A temp file name no other writer can pick: ``.<hash>.<uuid4>.tmp``.
 
     Not pid-based: in containers every server is pid 1, and pids on other hosts
-    sharing the directory mean nothing here (issue 18, finding 6).
+    sharing the directory mean nothing here (docs/design/kvstore.md, "Sharing a directory").
     """
     return f".{page_hash.hex()}.{uuid.uuid4().hex}{TEMP_SUFFIX}"
 

@@ -5,7 +5,7 @@ subtree per layout fingerprint, so servers of different models can share a
 directory without deleting each other's pages, and two levels of hash prefix
 so no directory grows past what a filesystem indexes well.
 
-Rules (docs/design/architecture.md §2.3, issue 18):
+Rules (docs/design/architecture.md §2.3; the shared-directory cases in docs/design/kvstore.md):
 - A page becomes visible to lookups only after its file is complete: written
   to a temp file with a name no other writer can pick, fsynced, renamed,
   directory fsynced. A failed write leaves nothing findable.

@@ -6,7 +6,8 @@ is read (reading every payload at start would read the whole directory).
 The directory may be shared with live writers on other hosts or in other
 containers, so a temp file is judged by its age alone: one not modified for
 ``stale_temp_s`` belongs to a writer that died (a live write takes seconds).
-Writer pids say nothing across pid namespaces and hosts (issue 18, finding 6).
+Writer pids say nothing across pid namespaces and hosts: a pid check once deleted a
+live writer's temp file (docs/design/kvstore.md, "Persistent tier").
 """
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""When the SSD tier stops writing, and when it tries again (issue 18, finding 6).
+"""When the SSD tier stops writing, and when it tries again.
+
+Why: docs/design/kvstore.md, "Persistent tier" (errors).
 
 A failed write fails its page. Only errors that say the device itself cannot
 take writes turn writes off, and then only until a periodic re-probe:

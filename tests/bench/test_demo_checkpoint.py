@@ -35,7 +35,7 @@ from training.demo_config import demo_checkpoint_dir, demo_config
 DEMO = demo_checkpoint_dir()
 MAX_BYTES = 25 << 20
 NEW_TOKENS = 8
-CONTEXT = 8192  # issue 19: room for the tool prompts agent frameworks send
+CONTEXT = 8192  # room for the tool prompts agent frameworks send
 
 COMPLETION = "<｜begin▁of▁sentence｜>To be, or not to be"
 PINNED_COMPLETION = [210, 422, 316, 270, 452, 25, 210, 210]
@@ -44,7 +44,7 @@ PINNED_COMPLETION_TEXT = "\nTo be a man.\n\n"
 CHAT = [{"role": "user", "content": "Who's there?"}]
 PINNED_CHAT = [52, 467, 334, 23, 531, 23, 304, 481]
 PINNED_CHAT_TEXT = "I am not, sir, I'll"
-# Issue 19: a chat reply ends with EOS (the last candidates ran on into another speech).
+# A chat reply ends with EOS (earlier demo checkpoints ran on into another speech).
 PINNED_REPLY = "I am not, sir, I'll be a man."
 
 

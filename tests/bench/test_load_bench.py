@@ -1,5 +1,5 @@
-"""Peak host memory of a streaming load (issue 15): a ~300 MB synthetic checkpoint in
-the official topology, loaded in a fresh interpreter.
+"""Peak host memory of a streaming load (docs/design/checkpoints.md): a ~300 MB synthetic
+checkpoint in the official topology, loaded in a fresh interpreter.
 
 Bound: peak RSS <= 1.3 x the largest shard + the model's resident bytes + the
 interpreter's RSS just before the load (bench/load_bench.py). Loading whole

@@ -65,7 +65,7 @@ def test_metric_regex_sees_histogram_suffixes_and_digits() -> None:
     ]
 
 
-def test_dashboard_shows_what_the_issue_asks_for() -> None:
+def test_dashboard_shows_latency_throughput_and_kv_panels() -> None:
     exprs = [expr for _, expr in dashboard_queries()]
     joined = "\n".join(exprs)
     for quantity in ("time_to_first_token", "inter_token_latency", "e2e_request_latency"):
@@ -147,7 +147,7 @@ def test_disaggregated_row_works_on_every_role(role: str) -> None:
         assert "flashserve:num_requests_running" not in exposed  # as docs/metrics.md says
 
 
-def test_alerts_cover_what_the_issue_asks_for() -> None:
+def test_alerts_cover_queueing_kv_and_errors() -> None:
     rules = {rule["alert"]: rule["expr"] for rule in alert_rules()}
     for alert, metric in {
         "FlashserveHighQueueTime": "request_queue_time_seconds_bucket",

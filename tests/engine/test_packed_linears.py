@@ -92,7 +92,7 @@ def test_auto_keeps_the_stored_bytes(tiny_dir: Path, stored: dict[str, torch.Ten
     _, model = load_checkpoint(tiny_dir, dtype=torch.bfloat16)
     _check_packed_bytes(model, stored)
     packed = packed_modules(model)
-    # Every kind the issue names: attention, indexer query, shared expert, Engram wkv.
+    # Every dense FP8 kind: attention, indexer query, shared expert, Engram wkv.
     for name in (
         "layers.0.attn.wq_a",
         "layers.0.attn.wo_a",

@@ -1,4 +1,7 @@
-"""The served model holds the checkpoint's bytes, not a dequantised copy (issue 15)."""
+"""The served model holds the checkpoint's bytes, not a dequantised copy.
+
+Why: docs/design/checkpoints.md, "Packed FP8 linears".
+"""
 
 from pathlib import Path
 

@@ -6,13 +6,29 @@ import pytest
 import torch
 
 from kernels.act_quant import (
-    block_scales,
+    ACT_AMAX_FLOOR,
     dequantize_act_fp8,
     fake_quant_act_fp8,
     quantize_act_e4m3,
     quantize_act_fp8,
 )
 from kernels.quant import E4M3_MAX, e4m3_encode, pow2, pow2_exponent
+
+
+def block_scales(amax: torch.Tensor) -> torch.Tensor:
+    """``2^e`` with ``e = ceil(log2(max(amax, 1e-4) / 448))`` (inf: 2^127), from amax's bits.
+
+    The bit trick of the Triton GEMM's ``act_exponent`` (kernels/triton/fp8_gemm.py),
+    in PyTorch so that it can be held to the exact rule on a CPU: with
+    ``a = 1.f * 2^(F - 127)`` and ``448 = 1.75 * 2^8`` the exponent is
+    ``F - 135``, plus one when ``1.f > 1.75`` (the fraction bits above
+    0x600000); the scale's float32 bits are its biased exponent shifted into place.
+    The floor keeps every finite amax's exponent within [-22, 120].
+    """
+    bits = amax.float().clamp(min=ACT_AMAX_FLOOR).view(torch.int32)
+    field = (bits >> 23) - 8 + ((bits & 0x7FFFFF) > 0x600000).to(torch.int32)
+    field = field.masked_fill_(bits >= 0x7F800000, 254)  # inf: 2^127, as the exact rule
+    return (field << 23).view(torch.float32)
 
 
 def test_block_scale_is_the_smallest_power_of_two_that_fits() -> None:

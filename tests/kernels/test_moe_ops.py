@@ -16,7 +16,6 @@ from kernels import dispatch
 from kernels import moe_ops as moe_ops_module
 from kernels.act_quant import dequantize_act_fp8, quantize_act_fp8
 from kernels.moe_ops import (
-    dequantize_expert_tile,
     expert_chunks,
     grouped_mxfp4_matmul,
     grouped_mxfp4_matmul_cpu,
@@ -59,22 +58,14 @@ def fp32_bound(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, offsets: torch
     return bound * x.shape[1] * 2.0**-24 + 1e-30
 
 
-def test_expert_tile_equals_the_weight_decoder(seed):
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randn(48, 96, generator=g) * 2.0 ** torch.randint(-8, 9, (48, 1), generator=g)
-    q, s = quantize_mxfp4_weight(w)
-    out = torch.full((48, 96), float("nan"))
-    got = dequantize_expert_tile(q, s.view(torch.uint8), out)
-    assert got.data_ptr() == out.data_ptr()
-    assert torch.equal(got, dequantize_mxfp4_weight(q, s, torch.float32))
-
-
-def test_expert_tile_decodes_hand_computed_bytes():
+def test_cpu_path_decodes_hand_computed_bytes():
     # Byte 0x2F: low nibble 0xF = -6 (element 0), high nibble 0x2 = 1.0 (element 1).
-    # Byte 0x07: 6.0 then 0. Scale byte 128 = 2^1, so the row is 2x these.
-    q = torch.tensor([[0x2F, 0x07] * 16], dtype=torch.uint8).view(torch.int8)
-    s = torch.tensor([[128]], dtype=torch.uint8)
-    got = dequantize_expert_tile(q, s, torch.empty(1, 64)).view(-1)
+    # Byte 0x07: 6.0 then 0. Scale bytes 128 = 2^1, so the row is 2x these. A one-hot
+    # activation row reads the decoded weight back out of the CPU path's tables.
+    q = torch.tensor([[[0x2F, 0x07] * 16]], dtype=torch.uint8).view(torch.int8)
+    s = torch.tensor([[[128, 128]]], dtype=torch.uint8)  # one per block of 32
+    a = torch.eye(64)[:8]
+    got = grouped_mxfp4_matmul_cpu(a, torch.tensor([0, 8]), q, s, [8]).view(-1)
     assert got[:4].tolist() == [-12.0, 2.0, 12.0, 0.0]
     assert torch.equal(got[4:8], got[:4])
 
@@ -102,11 +93,10 @@ def test_chunked_decode_equals_one_expert_at_a_time_bitwise(seed, per_chunk, mon
     x, offsets, q, s = grouped_case(g, counts, n=64, k=96)
     a = dequantize_act_fp8(*quantize_act_fp8(x))
     want = torch.empty(x.shape[0], 64)
-    tile = torch.empty(64, 96)
     bounds = offsets.tolist()
     for e in range(len(counts)):
         if counts[e]:
-            dequantize_expert_tile(q[e], s[e], tile)
+            tile = dequantize_mxfp4_weight(q[e], s[e], torch.float32)
             want[bounds[e] : bounds[e + 1]] = a[bounds[e] : bounds[e + 1]] @ tile.T
     monkeypatch.setattr(moe_ops_module, "TILE_ELEMENTS", per_chunk * 64 * 96)
     chunks = expert_chunks(offsets, counts, 64 * 96, q.device)

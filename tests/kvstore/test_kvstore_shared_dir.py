@@ -1,4 +1,4 @@
-"""Servers sharing one --kv-dir (issue 18, findings 6 and 10): no one disables,
+"""Servers sharing one --kv-dir (docs/design/kvstore.md, "Sharing a directory"): no one disables,
 loses or deletes another's writes, whatever their pids or budgets."""
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""A bounded corpus of hostile inputs (issue 18): every leaf of a valid chat, completions
-and FIM body replaced by each value of ``NASTY``, plus the reproductions of the issue.
+"""A bounded corpus of hostile inputs (docs/design/hardening.md): every leaf of a valid chat,
+completions and FIM body replaced by each value of ``NASTY``, plus the inputs that once
+broke the server.
 No answer may be a 5xx or leave the error shape, and the server must keep serving.
 
 Complements test_schemathesis.py (schema-driven generation) with the values that

@@ -1,8 +1,9 @@
-"""Issue 18 against the live server: each finding's reproduction, the new answer, and the
-server still answering the next request in normal time.
+"""The attacks of docs/design/hardening.md against the live server: each one's
+reproduction, the new answer, and the server still answering the next request in
+normal time.
 
-Findings 1-5 and 9-10 run against the session server; the timeouts (8) and the
-grammar time bound (2) need flags of their own and start a second server.
+Most run against the session server; the slow-client timeouts and the grammar time
+bound need flags of their own and start a second server.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def assert_still_serving(server: LiveServer) -> None:
     assert httpx.get(server.base_url + "/health", timeout=5).status_code == 200
 
 
-# ---------------------------------------------------------------- finding 1
+# ------------------------------------------- failure stays with its request
 
 
 @pytest.mark.parametrize("pattern", EMPTY_PATTERNS)
@@ -83,7 +84,7 @@ def test_empty_language_grammar_is_a_400_and_the_engine_lives(
     assert_still_serving(live_server)
 
 
-# ---------------------------------------------------------------- findings 2-4
+# --------------------------------------------- nothing slow on the event loop
 
 
 def test_cheap_checks_come_before_the_grammar(live_server: LiveServer) -> None:
@@ -100,7 +101,7 @@ def test_cheap_checks_come_before_the_grammar(live_server: LiveServer) -> None:
 
 
 def test_distinct_schemas_do_not_grow_the_server_without_bound(live_server: LiveServer) -> None:
-    """Finding 3: the grammar cache is an LRU in bytes; here: many distinct schemas each
+    """The grammar cache is an LRU in bytes; here: many distinct schemas each
     answer normally and the server keeps serving (the bound itself is xgrammar's
     ``cache_limit_bytes``, set from --grammar-cache-bytes)."""
     for i in range(8):
@@ -110,7 +111,7 @@ def test_distinct_schemas_do_not_grow_the_server_without_bound(live_server: Live
     assert_still_serving(live_server)
 
 
-# ---------------------------------------------------------------- finding 5
+# ----------------------------------------------- fan-out is bounded and fair
 
 
 def test_fan_out_over_the_limit_is_refused_before_tokenising(live_server: LiveServer) -> None:
@@ -138,7 +139,7 @@ def _open_stream(server: LiveServer, body: dict) -> tuple[httpx.Client, httpx.Re
 def test_a_large_fan_out_left_by_its_client_does_not_slow_the_next_request(
     live_server: LiveServer,
 ) -> None:
-    """Finding 5: after 640,000 sequences were abandoned the next tiny request took 37 s.
+    """Once, after 640,000 sequences were abandoned the next tiny request took 37 s.
     Now at most 256 per request; 256 abandoned at once are gone in normal time."""
     body = {"model": "deepseek-chat", "prompt": ["a", "b"], "n": 128, "max_tokens": 200}
     body["stream"] = True
@@ -181,7 +182,7 @@ def test_metrics_count_every_sequence_of_a_request(live_server: LiveServer) -> N
     assert seen == 6
 
 
-# ---------------------------------------------------------------- findings 9-10
+# ---------------------------------------------------------- no 500 from any input
 
 
 SURROGATE = "\ud800"
@@ -356,7 +357,7 @@ def test_admission_counts_sequences_not_requests(tight_server: LiveServer) -> No
 
 
 def test_slow_grammar_is_bounded_and_health_stays_fast(tight_server: LiveServer) -> None:
-    """Finding 2: the 200 KB enum that froze the loop for 19 s: now a 400 after the 0.5 s
+    """The 200 KB enum that once froze the loop for 19 s: now a 400 after the 0.5 s
     grammar timeout, and /health answers within 1 s throughout."""
     enum = ["x" * 2000 + str(i) for i in range(100)]
     body = chat(response_format=schema_format({"type": "string", "enum": enum}))
@@ -375,7 +376,7 @@ def test_slow_grammar_is_bounded_and_health_stays_fast(tight_server: LiveServer)
 def test_a_31_mib_prompt_is_refused_by_its_bytes_and_health_stays_fast(
     tight_server: LiveServer,
 ) -> None:
-    """Finding 4: a 31 MiB prompt froze the loop for 60 s before its 400. Its byte length
+    """A 31 MiB prompt once froze the loop for 60 s before its 400. Its byte length
     proves it exceeds 65,536 tokens (no token stands for more than 256 bytes)."""
     text = "abc " * (31 << 18)
     with HealthProbe(tight_server.base_url) as probe:
@@ -410,7 +411,7 @@ def test_slow_headers_and_slow_bodies_get_408(tight_server: LiveServer) -> None:
 def test_shutdown_timeout_bounds_a_half_sent_request(
     tiny_cache: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    """Finding 8: a half-sent body kept the process alive 150 s after SIGTERM."""
+    """A half-sent body once kept the process alive 150 s after SIGTERM."""
     tmp = tmp_path_factory.mktemp("shutdown")
     args = ["--model", "tiny", "--max-model-len", "256", "--kv-cache-bytes", str(12 << 20)]
     args += ["--shutdown-timeout", "2", "--body-timeout", "600", "--kv-dir", str(tmp / "kv")]

@@ -1,4 +1,4 @@
-"""/health follows the engine's heartbeat (issue 18, finding 7): 503 when requests are
+"""/health follows the engine's heartbeat (docs/design/hardening.md): 503 when requests are
 pending and the engine has made no progress for ``health_stall_s``, else 200."""
 
 from __future__ import annotations

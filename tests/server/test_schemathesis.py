@@ -42,7 +42,7 @@ MAX_TEXT = 64  # characters of a text, ids of a token prompt
 
 @pytest.fixture(scope="module")
 def api_schema(live_server: LiveServer) -> Any:
-    # The schema follows the API keys (issue 18): fetched with one.
+    # The schema follows the API keys (docs/design/hardening.md): fetched with one.
     return schemathesis.openapi.from_url(
         live_server.base_url + "/openapi.json", headers={"Authorization": f"Bearer {API_KEY}"}
     )

@@ -1,5 +1,5 @@
-"""Issue 18, finding 1: a fault in one request's mask provider, sampling or stop handling
-ends that request with an error and leaves the engine serving everyone else.
+"""A fault in one request's mask provider, sampling or stop handling ends that request
+with an error and leaves the engine serving everyone else (docs/design/hardening.md).
 
 The fake engine's logits put all mass on a token chosen from the sequence, so the
 request that does not fail must produce exactly the tokens it produces alone.
@@ -137,8 +137,8 @@ class BlockingRunner:
 
 
 def test_heartbeat_and_queue_counts_stay_true_while_a_step_hangs() -> None:
-    """Issue 18, findings 5 and 7: ``stats`` counts what is running and waiting during a
-    long step, and ``stalled_for`` grows while work is pending (what /health reads)."""
+    """``stats`` counts what is running and waiting during a long step, and
+    ``stalled_for`` grows while work is pending (what /health reads)."""
     import time
 
     engine, runner = fake_engine(vocab_size=VOCAB, max_num_seqs=1)

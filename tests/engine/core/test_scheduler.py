@@ -220,9 +220,10 @@ def test_token_slice_reads_like_a_list_slice():
 
 
 def test_many_waiting_sequences_add_and_finish_in_log_time():
-    """Issue 18, finding 5: 50,000 queued sequences finished in random order. A sorted
-    Python list pays a scan and a shift per removal (about 1e9 slow comparisons here,
-    a minute or more); the sorted queue pays O(log n) each (well under a second)."""
+    """50,000 queued sequences finished in random order (docs/design/hardening.md,
+    "Fan-out is bounded and fair"). A sorted Python list pays a scan and a shift per
+    removal (about 1e9 slow comparisons here, a minute or more); the sorted queue pays
+    O(log n) each (well under a second)."""
     import random
     import time
 

@@ -1,5 +1,5 @@
-"""Reads never block the engine (issue 18, finding 7): only regular files are read,
-and a read that hangs is a miss after the read deadline."""
+"""Reads never block the engine: only regular files are read, and a read that hangs is a
+miss after the read deadline (docs/design/kvstore.md, "Persistent tier")."""
 
 from __future__ import annotations
 

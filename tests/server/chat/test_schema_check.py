@@ -1,5 +1,5 @@
 """Schemas refused before compiling, grammar errors without internals, raw-body checks,
-and a real xgrammar dead state ending its row only (issue 18, findings 1, 2 and 9-10)."""
+and a real xgrammar dead state ending its row only (docs/design/hardening.md)."""
 
 from __future__ import annotations
 
@@ -128,7 +128,7 @@ def test_a_real_dead_grammar_state_fails_its_row_only() -> None:
 
 
 def test_grammar_cache_is_bounded_in_bytes() -> None:
-    """Finding 3: distinct schemas grew the server by 2.5 GB. Without a bound the
+    """Distinct schemas once grew the server by 2.5 GB. Without a bound the
     compiled-grammar cache keeps every grammar; with ``--grammar-cache-bytes`` set to
     a quarter of that it stays near its bound (xgrammar may pass it by one entry)."""
     from server.chat.structured_output import GrammarLimits, StructuredOutputCompiler

@@ -77,7 +77,8 @@ def float64_server(
 
 def test_a_cache_hit_never_changes_the_greedy_answer(float64_server: LiveServer) -> None:
     """The same prompt twice at temperature 0: the second restores its prefix and answers
-    exactly as the cold first did (the issue's reproduction: 3 of 3 prompts differed)."""
+    exactly as the cold first did (under the retired replay rule of
+    docs/design/architecture.md §2.1, 3 of 3 prompts differed)."""
     for i in range(3):
         system = f"{uuid.uuid4().hex} rule {i}: " + "Agents re-send long contexts. " * (20 + 7 * i)
         body = {
