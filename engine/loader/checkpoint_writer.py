@@ -18,9 +18,8 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from engine.loader.checkpoint import (
-    INDEX_FILE,
-    SINGLE_FILE,
+from engine.loader.files import INDEX_FILE, SINGLE_FILE
+from engine.loader.formats import (
     CheckpointError,
     WeightFormat,
     scale_name,

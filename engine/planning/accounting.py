@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from engine.loader.checkpoint import WeightFormat, skip_init, weight_format
+from engine.loader.checkpoint import skip_init
+from engine.loader.formats import WeightFormat, weight_format
 from engine.model.deepseek_v41.config import ModelConfig
 from engine.model.deepseek_v41.model import DeepseekV41
 from kernels import kv_formats

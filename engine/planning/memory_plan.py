@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from engine.loader.checkpoint import QUANT_BLOCK, WeightFormat, weight_format
+from engine.loader.formats import QUANT_BLOCK, WeightFormat, weight_format
 from engine.model.deepseek_v41.config import ModelConfig
 from engine.model.parallel import tp_split_dim
 from engine.planning.accounting import param_shapes, swa_kv_bytes_per_request
