@@ -1,4 +1,4 @@
-"""Load an official-layout DeepSeek-V4.1 checkpoint into a model: the one entry
+"""Load an official-layout checkpoint into its model (engine/model/registry.py): the one entry
 ``load_checkpoint``, and the empty model it fills.
 
 It reads ``config.json``, builds the model with uninitialised parameters (packed
@@ -31,12 +31,13 @@ from engine.loader.plan import (
 from engine.loader.tokenizer import TOKENIZER_FILE, load_tokenizer
 from engine.loader.tp_shards import check_tp_packed
 from engine.loader.weight_stream import stream_into
+from engine.model.base import CausalLM
 from engine.model.deepseek_v41.config import ModelConfig
 from engine.model.deepseek_v41.engram import build_compressed_vocab, tables_on_meta
 from engine.model.deepseek_v41.fp8_linear import pack_linears
-from engine.model.deepseek_v41.model import DeepseekV41
 from engine.model.deepseek_v41.routed_experts import packed_experts
 from engine.model.parallel import SINGLE, Parallel, expert_of
+from engine.model.registry import read_config, spec_of
 
 logger = logging.getLogger(__name__)
 
@@ -56,11 +57,11 @@ def load_checkpoint(
     progress: bool | None = None,
     quantization: str = "auto",
     parallel: Parallel = SINGLE,
-) -> tuple[ModelConfig, DeepseekV41]:
+) -> tuple[ModelConfig, CausalLM]:
     """Read ``config.json``, the weights and the Engram vocabulary of ``path`` into a model.
 
     ``encoder_only`` (a prefill worker): layers past the CED boundary are neither
-    allocated nor read (``DeepseekV41.drop_decoder_layers``). Weights stream in
+    allocated nor read (``CausalLM.drop_decoder_layers``). Weights stream in
     slice by slice (engine/loader/weight_stream.py); ``progress``: a bar over the bytes
     on stderr (None: when stderr is a terminal).
     ``engram_mmap``: keep the Engram tables in the checkpoint's files, memory-mapped,
@@ -79,13 +80,13 @@ def load_checkpoint(
     blocks along the split dimension is refused (``check_tp_packed``)."""
     check_quantization(quantization)
     path = Path(path)
-    config = ModelConfig.from_json(path / "config.json")
+    spec, config = read_config(path)
     files = weight_map(path)
     with Shards(files) as shards:
         if engram_mmap is None:
             engram_mmap = _wants_engram_mmap(files, shards)
         experts_packed = quantization == "auto" and experts_stored_packed(files, shards)
-    model = _build(config, dtype, device, engram_mmap, experts_packed, parallel)
+    model = _build(spec.model_class, config, dtype, device, engram_mmap, experts_packed, parallel)
     if encoder_only:
         model.drop_decoder_layers()
     packed_linears: list[str] = []
@@ -185,8 +186,9 @@ def empty_model(
     engram_tables_on_meta: bool = False,
     quantization: str = "none",
     parallel: Parallel = SINGLE,
-) -> DeepseekV41:
-    """``DeepseekV41`` on ``device`` with uninitialised parameters in ``dtype``.
+) -> CausalLM:
+    """The model of ``config``'s type (engine/model/registry.py) on ``device``, with
+    uninitialised parameters in ``dtype``.
 
     Each parameter is allocated once and filled by the loader; buffers (RoPE
     frequencies) are computed by the constructor as usual. Parameters the model
@@ -201,7 +203,10 @@ def empty_model(
     a TP-split linear is packed as this rank's shard (``check_tp_packed``).
     """
     check_quantization(quantization)
-    model = _build(config, dtype, device, engram_tables_on_meta, quantization == "auto", parallel)
+    model_class = spec_of(config).model_class
+    model = _build(
+        model_class, config, dtype, device, engram_tables_on_meta, quantization == "auto", parallel
+    )
     if quantization == "auto":
         names = [n for n in model.state_dict() if weight_format(n) is WeightFormat.FP8_BLOCK]
         check_tp_packed(model, pack_linears(model, names), parallel)
@@ -209,13 +214,14 @@ def empty_model(
 
 
 def _build(
+    model_class: type[CausalLM],
     config: ModelConfig,
     dtype: torch.dtype,
     device: str | torch.device,
     engram_tables_on_meta: bool,
     experts_packed: bool,
     parallel: Parallel = SINGLE,
-) -> DeepseekV41:
+) -> CausalLM:
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -226,12 +232,12 @@ def _build(
                 stack.enter_context(tables_on_meta())
             if experts_packed:
                 stack.enter_context(packed_experts())
-            return DeepseekV41(config, parallel)
+            return model_class(config, parallel)
     finally:
         torch.set_default_dtype(previous)
 
 
-def set_engram_vocab(model: DeepseekV41, config: ModelConfig, tokenizer_file: Path) -> None:
+def set_engram_vocab(model: CausalLM, config: ModelConfig, tokenizer_file: Path) -> None:
     """Give the model the token -> Engram class map of the checkpoint's own tokenizer.
 
     The hash multipliers derive from ``engram_compressed_vocab_size``, so a
