@@ -46,6 +46,7 @@ from engine.api.request import Request  # noqa: E402
 from engine.api.sampling_params import SamplingParams  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.core.llm_engine import LLMEngine  # noqa: E402
+from engine.loader.builder import engine_for_model  # noqa: E402
 
 PROMPT, NEW = 64, 32
 
@@ -110,7 +111,7 @@ def hf_generate_tok_s(model, streams: int) -> float:
 
 # ---------------------------------------------------------------- flashserve
 def _engine(model, streams: int) -> LLMEngine:
-    return LLMEngine.build(EngineConfig(max_num_seqs=streams, kv_cache_bytes=256 << 20), model)
+    return engine_for_model(EngineConfig(max_num_seqs=streams, kv_cache_bytes=256 << 20), model)
 
 
 def fs_prefill_s(model, tokens: int) -> float:

@@ -31,7 +31,7 @@ sys.path.insert(0, str(REPO))
 from engine.api.request import Request  # noqa: E402
 from engine.api.sampling_params import SamplingParams  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
-from engine.core.llm_engine import LLMEngine  # noqa: E402
+from engine.loader.builder import engine_for_model  # noqa: E402
 from engine.loader.checkpoint import load_checkpoint  # noqa: E402
 from engine.loader.checkpoint_writer import make_tiny  # noqa: E402
 from engine.loader.tokenizer import load_tokenizer  # noqa: E402
@@ -54,7 +54,7 @@ def run(model, tokenizer, device: str, batch: int, steps: int, graphs: str | Non
         enforce_eager=graphs != "cuda",
         cuda_graph_sizes=(batch,),
     )
-    engine = LLMEngine.build(config, model, tokenizer=tokenizer)
+    engine = engine_for_model(config, model, tokenizer=tokenizer)
     runner = engine.runner
     if graphs == "record":
         backend = RecordingGraphBackend([*model.parameters(), *model.buffers()])

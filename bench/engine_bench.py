@@ -33,6 +33,7 @@ from engine.config import EngineConfig
 from engine.core.llm_engine import LLMEngine
 from engine.core.sequence import Sequence
 from engine.core.step import PrefillChunk, StepBatch
+from engine.loader.builder import engine_for_model
 from engine.model.deepseek_v41.config import ModelConfig
 from engine.model.deepseek_v41.model import DeepseekV41
 from engine.model.semantics.replay import ReplayPlan
@@ -142,7 +143,7 @@ def decode_step_seconds(model: DeepseekV41, context: int, steps: int) -> float:
 def decode_throughput(model: DeepseekV41, concurrency: int, new_tokens: int) -> dict[str, float]:
     """Decode tokens/s with ``concurrency`` requests decoding together, and engine overhead."""
     config = EngineConfig(max_num_seqs=max(concurrency, 1), kv_cache_bytes=256 << 20)
-    engine = LLMEngine.build(config, model)
+    engine = engine_for_model(config, model)
     gen = torch.Generator().manual_seed(4)
     for i in range(concurrency):
         prompt = torch.randint(3, 120000, (48,), generator=gen).tolist()

@@ -41,7 +41,7 @@ sys.path.insert(0, str(REPO))
 from engine.api.request import Request  # noqa: E402
 from engine.api.sampling_params import SamplingParams  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
-from engine.core.llm_engine import LLMEngine  # noqa: E402
+from engine.loader.builder import engine_for_model  # noqa: E402
 from engine.loader.checkpoint import load_checkpoint  # noqa: E402
 from engine.loader.checkpoint_writer import make_tiny  # noqa: E402
 from engine.loader.tokenizer import load_tokenizer  # noqa: E402
@@ -89,7 +89,7 @@ def greedy_run(checkpoint: Path, device: str, prompts: list[list[int]], steps: i
             self.inner.release(seq)
 
     config = EngineConfig(device=device, kv_cache_bytes=64 << 20)
-    engine = LLMEngine.build(
+    engine = engine_for_model(
         config, model.eval(), tokenizer=load_tokenizer(checkpoint / "tokenizer.json")
     )
     engine.runner = Recorder(engine.runner)

@@ -40,14 +40,9 @@ if str(REPO) not in sys.path:
 
 from safetensors.torch import save_file  # noqa: E402
 
-from engine.loader.checkpoint import (  # noqa: E402
-    INDEX_FILE,
-    WeightFormat,
-    empty_model,
-    scale_name,
-    stored_shapes,
-    weight_format,
-)
+from engine.loader.checkpoint import empty_model  # noqa: E402
+from engine.loader.files import INDEX_FILE  # noqa: E402
+from engine.loader.formats import WeightFormat, scale_name, stored_shapes, weight_format  # noqa: E402
 from engine.model.deepseek_v41.config import ModelConfig, engram_table_primes  # noqa: E402
 
 SHARD_SLACK = 1.3  # peak RSS allowance per byte of the largest shard

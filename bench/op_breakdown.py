@@ -68,9 +68,9 @@ def breakdown(model, batch: int = 1) -> collections.Counter:
     from engine.api.request import Request
     from engine.api.sampling_params import SamplingParams
     from engine.config import EngineConfig
-    from engine.core.llm_engine import LLMEngine
+    from engine.loader.builder import engine_for_model
 
-    engine = LLMEngine.build(EngineConfig(max_num_seqs=batch, kv_cache_bytes=256 << 20), model)
+    engine = engine_for_model(EngineConfig(max_num_seqs=batch, kv_cache_bytes=256 << 20), model)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     gen = torch.Generator().manual_seed(4)
     for i in range(batch):

@@ -36,13 +36,14 @@ from engine.api.request import Request  # noqa: E402
 from engine.api.sampling_params import SamplingParams  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.core.llm_engine import LLMEngine  # noqa: E402
+from engine.loader.builder import engine_for_model  # noqa: E402
 from engine.loader.checkpoint import load_checkpoint  # noqa: E402
 from engine.loader.checkpoint_writer import make_tiny  # noqa: E402
 from engine.model.deepseek_v41.fp8_linear import packed_modules  # noqa: E402
 
 
 def _engine(model, batch: int, steps: int) -> LLMEngine:
-    engine = LLMEngine.build(EngineConfig(max_num_seqs=batch, kv_cache_bytes=256 << 20), model)
+    engine = engine_for_model(EngineConfig(max_num_seqs=batch, kv_cache_bytes=256 << 20), model)
     gen = torch.Generator().manual_seed(4)
     params = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True)
     for i in range(batch):

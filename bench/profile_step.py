@@ -31,11 +31,11 @@ from bench.engine_bench import tiny_model  # noqa: E402
 from engine.api.request import Request  # noqa: E402
 from engine.api.sampling_params import SamplingParams  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
-from engine.core.llm_engine import LLMEngine  # noqa: E402
+from engine.loader.builder import engine_for_model  # noqa: E402
 
 
 def profile_decode(model, batch: int, steps: int, top: int) -> dict:
-    engine = LLMEngine.build(EngineConfig(max_num_seqs=batch, kv_cache_bytes=256 << 20), model)
+    engine = engine_for_model(EngineConfig(max_num_seqs=batch, kv_cache_bytes=256 << 20), model)
     gen = torch.Generator().manual_seed(4)
     params = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True)
     for i in range(batch):
@@ -57,7 +57,7 @@ def profile_decode(model, batch: int, steps: int, top: int) -> dict:
 
 def profile_prefill(model, tokens: int, top: int) -> dict:
     """The prefill of one ``tokens``-token prompt, to its first output token."""
-    engine = LLMEngine.build(EngineConfig(max_num_seqs=1, kv_cache_bytes=256 << 20), model)
+    engine = engine_for_model(EngineConfig(max_num_seqs=1, kv_cache_bytes=256 << 20), model)
     gen = torch.Generator().manual_seed(4)
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     prompt = torch.randint(3, 120000, (tokens,), generator=gen).tolist()

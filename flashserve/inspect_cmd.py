@@ -100,7 +100,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def checkpoint_summary(path: Path) -> dict[str, Any]:
     """What a checkpoint directory stores: tensors and bytes per dtype, skipped kinds."""
-    from engine.loader.checkpoint import iter_checkpoint_tensors, skipped_kind
+    from engine.loader.files import iter_checkpoint_tensors
+    from engine.loader.formats import skipped_kind
 
     by_dtype: dict[str, dict[str, int]] = {}
     skipped: dict[str, int] = {}
@@ -123,7 +124,7 @@ def checkpoint_summary(path: Path) -> dict[str, Any]:
 
 def report(model: str) -> dict[str, Any]:
     """The JSON object ``inspect --json`` prints."""
-    from engine.loader.checkpoint import INDEX_FILE, SINGLE_FILE
+    from engine.loader.files import INDEX_FILE, SINGLE_FILE
     from engine.model.deepseek_v41.config import ModelConfig
     from engine.planning.accounting import account
 

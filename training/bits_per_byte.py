@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer
 
-from engine.model.deepseek_v41.model import DeepseekV41
+from engine.model.base import CausalLM
 from engine.model.deepseek_v41.reference import forward
 from training.bpe import BOS_ID
 from training.trainer import EXACT_KV
@@ -30,7 +30,7 @@ def heldout_spans(text: str, count: int, chars: int) -> list[str]:
 
 
 @torch.no_grad()
-def bits_per_byte(model: DeepseekV41, tokenizer: Tokenizer, spans: list[str]) -> float:
+def bits_per_byte(model: CausalLM, tokenizer: Tokenizer, spans: list[str]) -> float:
     nats, size = 0.0, 0
     for span in spans:
         ids = torch.tensor([BOS_ID, *tokenizer.encode(span, add_special_tokens=False).ids])

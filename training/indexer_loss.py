@@ -16,17 +16,17 @@ from __future__ import annotations
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from engine.model.base import CausalLM
 from engine.model.deepseek_v41.candidates import visible_entries
 from engine.model.deepseek_v41.compressor import entry_positions
 from engine.model.deepseek_v41.config import LayerRole
-from engine.model.deepseek_v41.model import DeepseekV41
 from engine.model.deepseek_v41.reference import GlobalKV
 
 
 class AttentionInputs:
     """Captures each layer's attention input ``x = attn_norm(collapse(R))`` during a forward."""
 
-    def __init__(self, model: DeepseekV41) -> None:
+    def __init__(self, model: CausalLM) -> None:
         self.x: dict[int, torch.Tensor] = {}
         self._handles: list[RemovableHandle] = [
             block.attn_norm.register_forward_hook(self._hook(block.layer_id))
@@ -44,7 +44,7 @@ class AttentionInputs:
             handle.remove()
 
 
-def readers(model: DeepseekV41, index_layer: int) -> list[int]:
+def readers(model: CausalLM, index_layer: int) -> list[int]:
     """Layers reading ``index_layer``'s top-k: itself and the Reuse layers after it."""
     config = model.config
     return [
@@ -54,7 +54,7 @@ def readers(model: DeepseekV41, index_layer: int) -> list[int]:
     ]
 
 
-def indexer_kl(model: DeepseekV41, x: dict[int, torch.Tensor], global_kv: GlobalKV) -> torch.Tensor:
+def indexer_kl(model: CausalLM, x: dict[int, torch.Tensor], global_kv: GlobalKV) -> torch.Tensor:
     """Sum over index source layers of the mean per-query KL(attention || indexer).
 
     ``x`` holds every layer's attention input of an exact forward over
@@ -92,7 +92,7 @@ def indexer_kl(model: DeepseekV41, x: dict[int, torch.Tensor], global_kv: Global
 
 
 def _attention_target(
-    model: DeepseekV41,
+    model: CausalLM,
     x: dict[int, torch.Tensor],
     index_layer: int,
     latents: torch.Tensor,

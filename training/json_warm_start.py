@@ -44,8 +44,8 @@ from tokenizers import Tokenizer
 from engine.loader.checkpoint import load_checkpoint
 from engine.loader.checkpoint_writer import save_checkpoint
 from engine.loader.tokenizer import load_tokenizer
+from engine.model.base import CausalLM
 from engine.model.deepseek_v41.config import ModelConfig
-from engine.model.deepseek_v41.model import DeepseekV41
 from training.bits_per_byte import bits_per_byte, heldout_spans
 from training.bpe import write_tokenizer
 from training.bpe_extend import extend_tokenizer
@@ -104,7 +104,7 @@ def stage_config(args: argparse.Namespace) -> TrainConfig:
 
 
 def train_and_save(
-    model: DeepseekV41,
+    model: CausalLM,
     config: ModelConfig,
     tokenizer: Tokenizer,
     corpus: Corpus,

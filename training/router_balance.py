@@ -10,13 +10,13 @@ from __future__ import annotations
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from engine.model.deepseek_v41.model import DeepseekV41
+from engine.model.base import CausalLM
 
 
 class RouterBalance:
     """Counts routed tokens per expert and layer through forward hooks on every gate."""
 
-    def __init__(self, model: DeepseekV41, rate: float) -> None:
+    def __init__(self, model: CausalLM, rate: float) -> None:
         self.rate = rate
         self.gates = {block.layer_id: block.ffn.gate for block in model.blocks}
         n = model.config.n_routed_experts

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn.functional as F
 
-from engine.model.deepseek_v41.model import DeepseekV41
+from engine.model.base import CausalLM
 from engine.model.deepseek_v41.reference import KVPrecision, forward, forward_train
 from training.bpe import EOS_ID
 from training.data import SequenceSampler
@@ -100,7 +100,7 @@ def learning_rate(step: int, cfg: TrainConfig, progress: float | None = None) ->
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine)
 
 
-def _optimizer(model: DeepseekV41, cfg: TrainConfig) -> torch.optim.AdamW:
+def _optimizer(model: CausalLM, cfg: TrainConfig) -> torch.optim.AdamW:
     """Weight decay on matrices only; the routers' biases are moved by RouterBalance."""
     decay: list[torch.nn.Parameter] = []
     plain: list[torch.nn.Parameter] = []
@@ -117,7 +117,7 @@ def _optimizer(model: DeepseekV41, cfg: TrainConfig) -> torch.optim.AdamW:
 
 
 @torch.no_grad()
-def heldout_loss(model: DeepseekV41, windows: list[torch.Tensor]) -> float:
+def heldout_loss(model: CausalLM, windows: list[torch.Tensor]) -> float:
     """Mean next-token cross-entropy (nats) of the exact forward over ``windows``."""
     total, count = 0.0, 0
     for ids in windows:
@@ -128,7 +128,7 @@ def heldout_loss(model: DeepseekV41, windows: list[torch.Tensor]) -> float:
 
 
 def train(
-    model: DeepseekV41,
+    model: CausalLM,
     sampler: SequenceSampler,
     heldout: list[torch.Tensor],
     cfg: TrainConfig,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from tokenizers import Tokenizer
 
+from engine.model.base import CausalLM
 from engine.model.deepseek_v41.config import ModelConfig
 from engine.model.deepseek_v41.engram import build_compressed_vocab, engram_hash_rows
 from engine.model.deepseek_v41.model import DeepseekV41
@@ -32,7 +33,7 @@ def decomposition(old: Tokenizer, new: Tokenizer, token_id: int) -> list[int]:
 
 @torch.no_grad()
 def grow_model(
-    model: DeepseekV41,
+    model: CausalLM,
     old: Tokenizer,
     new: Tokenizer,
     play_ids: list[torch.Tensor],

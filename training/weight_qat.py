@@ -16,8 +16,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from engine.loader.checkpoint import WeightFormat, dequantize, scale_name, weight_format
 from engine.loader.checkpoint_writer import encode_tensor
+from engine.loader.formats import WeightFormat, dequantize, scale_name, weight_format
 
 
 def served_value(name: str, value: torch.Tensor) -> torch.Tensor:

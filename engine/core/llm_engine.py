@@ -33,10 +33,7 @@ from engine.core.scheduler import Scheduler
 from engine.core.sequence import Sequence, SequenceStatus
 from engine.core.step import ModelRunner, StepBatch
 from engine.model.deepseek_v41.config import ModelConfig
-from engine.model.deepseek_v41.model import DeepseekV41
-from engine.model.kv.dense_backend import KVPrecision
 from engine.sample.sampler import Sampler, SeqHistory, make_generator
-from kvstore.device.layout import kv_layout
 from kvstore.manager import KVCacheManager
 from kvstore.stats import KVStats
 
@@ -140,55 +137,6 @@ class LLMEngine:
         # Called once per step between scheduling and the model: an engine core in its
         # own process reports queue lengths here, before a long forward.
         self.on_scheduled: Callable[[], None] | None = None
-
-    @classmethod
-    def build(
-        cls,
-        config: EngineConfig,
-        model: DeepseekV41,
-        *,
-        tokenizer: Tokenizer | None = None,
-        model_id: str = "",
-        eos_token_id: int | None = None,
-    ) -> LLMEngine:
-        """KV cache manager and runner for ``model`` as ``config`` asks."""
-        mc = model.config
-        layout = kv_layout(
-            mc.kv_source_layer_ids,
-            mc.compress_ratios,
-            config.page_tokens,
-            config.kv_dtype,
-            model_id,
-        )
-        kv = KVCacheManager(
-            layout, config.kv_cache_bytes, config.device, config.kv_dir, config.kv_dir_bytes
-        )
-        runner: ModelRunner
-        if config.runner == "reference":
-            from engine.runner.reference_runner import ReferenceRunner
-
-            runner = ReferenceRunner(model, kv, KVPrecision(global_kv=config.kv_dtype))
-        else:
-            from engine.runner.cuda_graphs import decode_graphs_for
-            from engine.runner.model_runner import PagedModelRunner
-
-            graphs = decode_graphs_for(
-                model,
-                config.device,
-                config.max_num_seqs,
-                enforce_eager=config.enforce_eager,
-                sizes=config.cuda_graph_sizes,
-            )
-            runner = PagedModelRunner(model, kv, config.max_num_seqs, graphs)
-        return cls(
-            config,
-            runner,
-            kv,
-            model_config=mc,
-            tokenizer=tokenizer,
-            eos_token_id=eos_token_id,
-            encoder_only=model.encoder_only,
-        )
 
     # ------------------------------------------------------------ requests
     def validate(self, request: Request) -> None:

@@ -1,8 +1,11 @@
 """Building an engine: the model, its tokenizer and the ``LLMEngine`` around them.
 
-``AsyncEngine`` calls ``build_engine``; ``flashserve serve`` uses
-``checkpoint_fingerprint`` to name the weights it serves (the prefill/decode
-pairing of disaggregated serving compares it).
+The one builder. ``build_engine`` (``AsyncEngine``, the engine core process,
+``flashserve serve``) loads "tiny" or a checkpoint directory and hands the model
+to ``engine_for_model``, which builds the KV cache manager, the runner and the
+engine; tests and benches that hold a model already call ``engine_for_model``
+itself. ``flashserve serve`` uses ``checkpoint_fingerprint`` to name the weights
+it serves (the prefill/decode pairing of disaggregated serving compares it).
 """
 
 from __future__ import annotations
@@ -11,11 +14,20 @@ from pathlib import Path
 
 import blake3
 import torch
+from tokenizers import Tokenizer
 
 from engine.config import EngineConfig
 from engine.core.llm_engine import LLMEngine
+from engine.core.step import ModelRunner
 from engine.loader.tokenizer import TOKENIZER_FILE, load_tokenizer, packaged_tokenizer_path
-from engine.model.deepseek_v41.model import DeepseekV41
+from engine.model.base import CausalLM
+from engine.model.kv.dense_backend import KVPrecision
+from engine.model.registry import model_spec
+from kvstore.device.layout import kv_layout
+from kvstore.manager import KVCacheManager
+
+# "tiny": the CPU-sized preset (``tiny()``) of this registered model type.
+TINY_MODEL_TYPE = "deepseek_v41"
 
 
 def build_engine(
@@ -58,7 +70,55 @@ def build_engine(
         set_engram_vocab(net, net.config, packaged_tokenizer_path())
     tokenizer = load_tokenizer(own_tokenizer)
     torch.manual_seed(config.seed)  # the global RNG of unseeded sampling
-    return LLMEngine.build(config, net.eval(), tokenizer=tokenizer, model_id=model_id)
+    return engine_for_model(config, net.eval(), tokenizer=tokenizer, model_id=model_id)
+
+
+def engine_for_model(
+    config: EngineConfig,
+    model: CausalLM,
+    *,
+    tokenizer: Tokenizer | None = None,
+    model_id: str = "",
+    eos_token_id: int | None = None,
+) -> LLMEngine:
+    """The engine over ``model``: its KV cache manager and runner as ``config`` asks."""
+    mc = model.config
+    layout = kv_layout(
+        mc.kv_source_layer_ids,
+        mc.compress_ratios,
+        config.page_tokens,
+        config.kv_dtype,
+        model_id,
+    )
+    kv = KVCacheManager(
+        layout, config.kv_cache_bytes, config.device, config.kv_dir, config.kv_dir_bytes
+    )
+    runner: ModelRunner
+    if config.runner == "reference":
+        from engine.runner.reference_runner import ReferenceRunner
+
+        runner = ReferenceRunner(model, kv, KVPrecision(global_kv=config.kv_dtype))
+    else:
+        from engine.runner.cuda_graphs import decode_graphs_for
+        from engine.runner.model_runner import PagedModelRunner
+
+        graphs = decode_graphs_for(
+            model,
+            config.device,
+            config.max_num_seqs,
+            enforce_eager=config.enforce_eager,
+            sizes=config.cuda_graph_sizes,
+        )
+        runner = PagedModelRunner(model, kv, config.max_num_seqs, graphs)
+    return LLMEngine(
+        config,
+        runner,
+        kv,
+        model_config=mc,
+        tokenizer=tokenizer,
+        eos_token_id=eos_token_id,
+        encoder_only=model.encoder_only,
+    )
 
 
 def build_parallel_engine(config: EngineConfig, model: str | Path) -> LLMEngine:
@@ -68,7 +128,7 @@ def build_parallel_engine(config: EngineConfig, model: str | Path) -> LLMEngine:
     With data parallelism the core keeps one KV pool's bookkeeping per DP rank
     (``engine/parallel/dp_kv.py``); each sequence's pages live on one rank.
     """
-    from engine.model.deepseek_v41.config import ModelConfig
+    from engine.model.registry import read_config
     from engine.parallel.dp_kv import DataParallelKV
     from engine.parallel.executor import ParallelExecutor
     from kvstore.device.layout import kv_layout
@@ -78,7 +138,7 @@ def build_parallel_engine(config: EngineConfig, model: str | Path) -> LLMEngine:
     if config.runner != "paged":
         raise ValueError("parallel serving runs the paged runner")
     path = Path(model)
-    mc = ModelConfig.from_json(path)
+    _, mc = read_config(path)
     model_id = checkpoint_fingerprint(path)
     layout = kv_layout(
         mc.kv_source_layer_ids, mc.compress_ratios, config.page_tokens, config.kv_dtype, model_id
@@ -100,10 +160,9 @@ def build_parallel_engine(config: EngineConfig, model: str | Path) -> LLMEngine:
     )
 
 
-def _tiny_model(config: EngineConfig) -> DeepseekV41:
-    from engine.model.deepseek_v41.config import ModelConfig
-
-    net = DeepseekV41(ModelConfig.tiny())
+def _tiny_model(config: EngineConfig) -> CausalLM:
+    spec = model_spec(TINY_MODEL_TYPE)
+    net = spec.model_class(spec.config_class.tiny())
     net.init_weights(torch.Generator().manual_seed(config.seed))
     return net.to(device=config.device, dtype=config.torch_dtype)
 

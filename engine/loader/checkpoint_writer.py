@@ -1,4 +1,4 @@
-"""Write a ``DeepseekV41`` as an official-layout checkpoint; build the tiny one.
+"""Write a model as an official-layout checkpoint; build the tiny one.
 
 ``save_checkpoint`` stores every tensor in the format ``weight_format`` gives it
 (FP8 blocks, MXFP4 experts, FP8 Engram rows, BF16, FP32), so a checkpoint made
@@ -18,9 +18,8 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from engine.loader.checkpoint import (
-    INDEX_FILE,
-    SINGLE_FILE,
+from engine.loader.files import INDEX_FILE, SINGLE_FILE
+from engine.loader.formats import (
     CheckpointError,
     WeightFormat,
     scale_name,
@@ -28,7 +27,7 @@ from engine.loader.checkpoint import (
     weight_format,
 )
 from engine.model.deepseek_v41.config import ModelConfig
-from engine.model.deepseek_v41.model import DeepseekV41
+from engine.model.registry import spec_of
 from kernels.weight_formats import quantize_fp8_block, quantize_fp8_rows, quantize_mxfp4_weight
 
 # Bytes per element on disk: quantised weights and E8M0 scales are one byte each.
@@ -227,7 +226,7 @@ def write_tiny_tokenizer(out_dir: str | Path, config: ModelConfig) -> dict[str, 
 def make_tiny(out_dir: str | Path, seed: int = 0, *, shard_bytes: int | None = None) -> Path:
     """A seeded random ``ModelConfig.tiny()`` checkpoint with its tokenizer in ``out_dir``."""
     config = ModelConfig.tiny()
-    model = DeepseekV41(config)
+    model = spec_of(config).model_class(config)
     model.init_weights(torch.Generator().manual_seed(seed))
     # One tensor of every kind a release holds that the text model skips by rule,
     # so loading the tiny checkpoint exercises each rule (names as the release's).

@@ -1,7 +1,8 @@
 """Parameter and KV byte accounting of a V4.1 config (``flashserve inspect``).
 
-Parameter counts come from the shapes of a ``DeepseekV41`` built on the
-``meta`` device (nothing is allocated), classified by tensor name. KV bytes
+Parameter counts come from the shapes of the config's model (engine/model/registry.py)
+built on the ``meta`` device (nothing is allocated), classified by tensor name with
+the model's ``ParamRules``. KV bytes
 follow the record sizes of docs/design/architecture.md §1.10. What each "active" number
 includes is defined in docs/design/checkpoints.md.
 """
@@ -11,29 +12,17 @@ from __future__ import annotations
 import functools
 import json
 import math
-import re
 from dataclasses import asdict, dataclass, field
 from fractions import Fraction
 from typing import Any
 
 import torch
 
-from engine.loader.checkpoint import WeightFormat, skip_init, weight_format
+from engine.loader.checkpoint import skip_init
+from engine.loader.formats import WeightFormat, weight_format
 from engine.model.deepseek_v41.config import ModelConfig
-from engine.model.deepseek_v41.model import DeepseekV41
+from engine.model.registry import spec_of
 from kernels import kv_formats
-
-_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
-_ROUTED_EXPERT = re.compile(r"ffn\.experts\.\d+\.")
-# What layer B must run on every prompt token so its global KV and index keys
-# exist (docs/design/architecture.md §3.1): Engram (it updates R before the attention input),
-# attn_norm, the SWA KV projection, the compressor and the index-key projection.
-# The attention input collapses R with the previous sublayer's `pre` (1.3), so
-# B's own hc_attn coefficients are not needed until its output is mixed.
-_KV_WRITE = re.compile(
-    r"attn_norm\.weight|attn\.(wkv|kv_norm)\.weight|attn\.compressor\..+"
-    r"|attn\.indexer\.(wk|k_norm)\..+|engram\..+"
-)
 
 
 @dataclass(slots=True)
@@ -78,7 +67,8 @@ def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 @functools.lru_cache(maxsize=4)
 def _cached_shapes(config_json: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
     with skip_init(), torch.device("meta"):
-        model = DeepseekV41(ModelConfig.from_dict(json.loads(config_json)))
+        config = ModelConfig.from_dict(json.loads(config_json))
+        model = spec_of(config).model_class(config)
     # state_dict, not named_parameters: the checkpoint's names (routed experts
     # per expert, though the module stores them stacked).
     return tuple((name, tuple(p.shape)) for name, p in model.state_dict(keep_vars=True).items())
@@ -107,6 +97,7 @@ def swa_kv_bytes_per_request(config: ModelConfig) -> int:
 def account(config: ModelConfig, shapes: dict[str, tuple[int, ...]] | None = None) -> Accounting:
     """Every number ``flashserve inspect`` prints for ``config``."""
     shapes = param_shapes(config) if shapes is None else shapes
+    rules = spec_of(config).params
     n_layers, boundary = config.num_hidden_layers, config.ced_boundary
     total = [0] * n_layers
     routed = [0] * n_layers
@@ -115,17 +106,17 @@ def account(config: ModelConfig, shapes: dict[str, tuple[int, ...]] | None = Non
     outside: dict[str, int] = {}  # embed, norm, head
     for name, shape in shapes.items():
         numel = math.prod(shape)
-        match = _LAYER.fullmatch(name)
+        match = rules.layer.fullmatch(name)
         if match is None:
             outside[name] = numel
             continue
         layer, local = int(match.group(1)), match.group(2)
         total[layer] += numel
-        if _ROUTED_EXPERT.match(local):
+        if rules.routed_expert.match(local):
             routed[layer] += numel
         if is_engram_table(name):
             tables[layer] += numel
-        elif layer == boundary and _KV_WRITE.fullmatch(local):
+        elif layer == boundary and rules.kv_write.fullmatch(local):
             kv_write += numel
 
     layers = []
@@ -147,7 +138,7 @@ def account(config: ModelConfig, shapes: dict[str, tuple[int, ...]] | None = Non
                 params_active=active,
             )
         )
-    embed = sum(n for name, n in outside.items() if name.startswith("embed."))
+    embed = sum(n for name, n in outside.items() if name.startswith(rules.embed_prefix))
     params_total = sum(outside.values()) + sum(total)
     params_engram = sum(tables)
     global_kv = global_kv_bytes_per_token(config)

@@ -45,9 +45,10 @@ from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from engine.loader.checkpoint import QUANT_BLOCK, WeightFormat, weight_format
+from engine.loader.formats import QUANT_BLOCK, WeightFormat, weight_format
 from engine.model.deepseek_v41.config import ModelConfig
 from engine.model.parallel import tp_split_dim
+from engine.model.registry import spec_of
 from engine.planning.accounting import param_shapes, swa_kv_bytes_per_request
 from kvstore.device.layout import kv_layout
 
@@ -183,6 +184,7 @@ def weight_bytes(
     one T-th, their scales ``ceil`` of the shard's blocks.
     """
     shapes = param_shapes(config) if shapes is None else shapes
+    embed_head = spec_of(config).params.embed_head
     replicated = dict.fromkeys(WeightKind, 0)
     experts = {WeightKind.EXPERTS_FP4: 0, WeightKind.EXPERTS_FP4_SCALES: 0}
     host = dict.fromkeys(HostKind, 0)
@@ -205,8 +207,8 @@ def weight_bytes(
                 cols / QUANT_BLOCK
             )
         elif fmt is None:
-            raise PlanError(f"tensor `{name}` has no storage format in engine/loader/checkpoint.py")
-        elif name in ("embed.weight", "head.weight"):
+            raise PlanError(f"tensor `{name}` has no storage format in engine/loader/formats.py")
+        elif name in embed_head:
             replicated[WeightKind.EMBED_HEAD] += numel * _FORMAT_BYTES[fmt]
         elif fmt is WeightFormat.BF16 and len(shape) == 2:
             replicated[WeightKind.BF16_PROJECTIONS] += numel * 2

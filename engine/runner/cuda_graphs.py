@@ -38,9 +38,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from engine.model.base import CausalLM
 from engine.model.deepseek_v41.attention import Selections
 from engine.model.deepseek_v41.mhc import hc_collapse, hc_initial_pre, hc_mix
-from engine.model.deepseek_v41.model import DeepseekV41
 from engine.model.deepseek_v41.rope import clear_cos_sin_cache
 from engine.model.deepseek_v41.routed_experts import static_expert_shapes
 from engine.model.precision import upcast
@@ -125,7 +125,7 @@ class DecodeGraphs:
     """Captured pieces of a decode step for each bucket, and the step that runs them."""
 
     def __init__(
-        self, model: DeepseekV41, sizes: Seq[int], backend: GraphBackend, device: torch.device
+        self, model: CausalLM, sizes: Seq[int], backend: GraphBackend, device: torch.device
     ) -> None:
         if model.encoder_only:
             raise ValueError("an encoder-only model has no decode step to capture")
@@ -297,7 +297,7 @@ class _Piece:
 
 
 def decode_graphs_for(
-    model: DeepseekV41,
+    model: CausalLM,
     device: str | torch.device,
     max_num_seqs: int,
     *,

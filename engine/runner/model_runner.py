@@ -1,7 +1,7 @@
 """The production model runner: paged FP4 global KV, per-request SWA rings, one pass per step.
 
 Every step runs the rows of all scheduled sequences together through the
-model's one forward (``DeepseekV41.forward``) over the paged KV backend
+model's one forward (``CausalLM.forward``) over the paged KV backend
 (``engine/runner/paged_backend.py``), under each sequence's replay plan
 (docs/design/semantics.md):
 
@@ -21,7 +21,7 @@ import torch
 from engine.api.request import TokenLogprob
 from engine.core.sequence import Sequence
 from engine.core.step import StepBatch
-from engine.model.deepseek_v41.model import DeepseekV41
+from engine.model.base import CausalLM
 from engine.runner.cuda_graphs import DecodeGraphs
 from engine.runner.paged_backend import PagedKV, Segment
 from engine.sample.prompt_scores import score_rows
@@ -34,7 +34,7 @@ class PagedModelRunner:
 
     def __init__(
         self,
-        model: DeepseekV41,
+        model: CausalLM,
         kv: KVCacheManager,
         max_num_seqs: int,
         graphs: DecodeGraphs | None = None,

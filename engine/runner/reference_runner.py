@@ -17,7 +17,7 @@ import torch
 from engine.api.request import TokenLogprob
 from engine.core.sequence import Sequence
 from engine.core.step import StepBatch
-from engine.model.deepseek_v41.model import DeepseekV41
+from engine.model.base import CausalLM
 from engine.model.deepseek_v41.reference import forward
 from engine.model.kv.dense_backend import GlobalKV, KVPrecision
 from engine.model.semantics.replay import ReplayPlan
@@ -43,7 +43,7 @@ from kvstore.manager import KVCacheManager
 class ReferenceRunner:
     """Dense recompute per step; global KV kept as bytes in the KV manager's pages."""
 
-    def __init__(self, model: DeepseekV41, kv: KVCacheManager, precision: KVPrecision) -> None:
+    def __init__(self, model: CausalLM, kv: KVCacheManager, precision: KVPrecision) -> None:
         assert precision.global_kv in ("fp4", "bf16"), "pages store fp4 or bf16 global KV"
         self.model = model
         self.kv = kv

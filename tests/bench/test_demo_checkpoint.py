@@ -20,7 +20,7 @@ import torch
 from engine.api.request import Request
 from engine.api.sampling_params import SamplingParams
 from engine.config import EngineConfig
-from engine.core.llm_engine import LLMEngine
+from engine.loader.builder import engine_for_model
 from engine.loader.checkpoint import load_checkpoint
 from engine.loader.checkpoint_writer import save_checkpoint
 from engine.loader.tokenizer import load_tokenizer
@@ -89,7 +89,7 @@ def test_context_is_8k_in_the_config_the_tokenizer_and_the_engine(demo) -> None:
     assert config.max_position_embeddings == CONTEXT
     tok_config = json.loads((DEMO / "tokenizer_config.json").read_text(encoding="utf-8"))
     assert tok_config["model_max_length"] == CONTEXT
-    engine = LLMEngine.build(
+    engine = engine_for_model(
         EngineConfig(kv_cache_bytes=8 << 20, max_num_seqs=1), model, tokenizer=tokenizer
     )
     assert engine.max_model_len == CONTEXT
@@ -134,7 +134,7 @@ def test_greedy_output_is_pinned(demo, prompt: str | None, pinned: list[int], te
     assert tokenizer.decode(reference) == text
     _english_words(text)
 
-    engine = LLMEngine.build(
+    engine = engine_for_model(
         EngineConfig(kv_cache_bytes=8 << 20, max_num_seqs=1), model, tokenizer=tokenizer
     )
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -155,7 +155,7 @@ def test_greedy_chat_reply_ends_with_eos(demo) -> None:
     reply = tokens[: tokens.index(EOS_ID)]
     assert tokenizer.decode(reply, skip_special_tokens=False) == PINNED_REPLY
 
-    engine = LLMEngine.build(
+    engine = engine_for_model(
         EngineConfig(kv_cache_bytes=8 << 20, max_num_seqs=1), model, tokenizer=tokenizer
     )
     engine.add_request(Request("r", ids, SamplingParams(temperature=0.0, max_tokens=32)))

@@ -22,16 +22,10 @@ from engine.api.sampling_params import SamplingParams
 from engine.config import EngineConfig
 from engine.loader import checkpoint, weight_stream
 from engine.loader.builder import build_engine
-from engine.loader.checkpoint import (
-    SINGLE_FILE,
-    WeightFormat,
-    empty_model,
-    load_checkpoint,
-    scale_name,
-    skipped_kind,
-    weight_format,
-)
+from engine.loader.checkpoint import empty_model, load_checkpoint
 from engine.loader.checkpoint_writer import make_tiny, save_checkpoint, stored_nbytes
+from engine.loader.files import SINGLE_FILE
+from engine.loader.formats import WeightFormat, scale_name, skipped_kind, weight_format
 from engine.model.deepseek_v41 import attention, indexer
 from engine.model.deepseek_v41.config import ModelConfig
 from engine.model.deepseek_v41.fp8_linear import (

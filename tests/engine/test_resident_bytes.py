@@ -8,8 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.loader.checkpoint import iter_checkpoint_tensors, load_checkpoint, skipped_kind
+from engine.loader.checkpoint import load_checkpoint
 from engine.loader.checkpoint_writer import make_tiny
+from engine.loader.files import iter_checkpoint_tensors
+from engine.loader.formats import skipped_kind
 
 
 def _resident(model: torch.nn.Module) -> int:

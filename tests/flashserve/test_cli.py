@@ -70,7 +70,8 @@ def test_make_tiny_then_inspect_the_directory(
     assert 0 < file_bytes - ckpt["bytes"] < 200_000  # the rest is the JSON header
     # make-tiny writes the release's formats: the memory plan's packed bytes (device
     # and host) are exactly the bytes of the tensors the text model serves.
-    from engine.loader.checkpoint import iter_checkpoint_tensors, skipped_kind
+    from engine.loader.files import iter_checkpoint_tensors
+    from engine.loader.formats import skipped_kind
 
     served = sum(t.nbytes for t in iter_checkpoint_tensors(out) if skipped_kind(t.name) is None)
     plan = _inspect_json(capsys, str(out), "--plan")

@@ -49,6 +49,8 @@ THINK_END_ID = 128822  # "</think>" in the DeepSeek tokenizer
 # Files whose change can change the tiny checkpoint on disk.
 CHECKPOINT_CODE = (
     "engine/loader/checkpoint.py",
+    "engine/loader/files.py",
+    "engine/loader/formats.py",
     "engine/loader/checkpoint_writer.py",
     "engine/model/deepseek_v41/config.py",
     "kernels/weight_formats.py",

@@ -369,7 +369,9 @@ class ModelConfig:
     @classmethod
     def official(cls) -> ModelConfig:
         """The released DeepSeek-V4.1-Flash config (shipped with the package)."""
-        text = resources.files("engine.model.deepseek_v41").joinpath("data/deepseek-v4.1-flash.config.json")
+        text = resources.files("engine.model.deepseek_v41").joinpath(
+            "data/deepseek-v4.1-flash.config.json"
+        )
         return cls.from_dict(json.loads(text.read_text(encoding="utf-8")))
 
     @classmethod

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.model.base import CausalLM
 from engine.model.deepseek_v41.attention import Selections
 from engine.model.deepseek_v41.config import ModelConfig
 from engine.model.deepseek_v41.engram import engram_hash_rows, engram_hash_windows
@@ -24,7 +25,7 @@ from engine.model.parallel import SINGLE, Parallel
 from engine.model.precision import upcast
 
 
-class DeepseekV41(nn.Module):
+class DeepseekV41(CausalLM):
     """Embedding, ``num_hidden_layers`` blocks, final norm and head.
 
     DSpark (``mtp.*``) and vision weights are not part of the text model; the

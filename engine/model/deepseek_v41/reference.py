@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.model.deepseek_v41.model import DeepseekV41
+from engine.model.base import CausalLM
 from engine.model.kv.dense_backend import DenseKV, GlobalKV, KVPrecision
 from engine.model.semantics.replay import ReplayPlan
 
@@ -33,7 +33,7 @@ class ReferenceOutput:
 
 
 def forward_train(
-    model: DeepseekV41,
+    model: CausalLM,
     input_ids: torch.Tensor,
     plan: ReplayPlan | None = None,
     stored: GlobalKV | None = None,
@@ -57,7 +57,7 @@ forward = torch.no_grad()(forward_train)
 forward.__doc__ = "``forward_train`` without autograd: the oracle the engine is tested against."
 
 
-def forward_exact(model: DeepseekV41, input_ids: torch.Tensor, **kw) -> torch.Tensor:
+def forward_exact(model: CausalLM, input_ids: torch.Tensor, **kw) -> torch.Tensor:
     """Semantics 1: every layer over every token. Logits [N, vocab]."""
     return forward(model, input_ids, ReplayPlan.exact(model.config), **kw).logits
 
@@ -72,7 +72,7 @@ class GenerateResult:
 
 @torch.no_grad()
 def reference_generate(
-    model: DeepseekV41,
+    model: CausalLM,
     prompt: list[int],
     max_new_tokens: int,
     *,

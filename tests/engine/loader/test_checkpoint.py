@@ -18,21 +18,18 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
-from engine.loader.checkpoint import (
-    INDEX_FILE,
+from engine.loader.checkpoint import load_checkpoint
+from engine.loader.checkpoint_writer import encode_tensor, make_tiny, save_checkpoint
+from engine.loader.files import INDEX_FILE, SINGLE_FILE, iter_checkpoint_tensors, weight_map
+from engine.loader.formats import (
     SCALE_SUFFIX,
-    SINGLE_FILE,
     CheckpointError,
     WeightFormat,
     dequantize,
-    iter_checkpoint_tensors,
-    load_checkpoint,
     scale_name,
     stored_shapes,
     weight_format,
-    weight_map,
 )
-from engine.loader.checkpoint_writer import encode_tensor, make_tiny, save_checkpoint
 from engine.loader.tokenizer import load_tokenizer
 from engine.model.deepseek_v41.config import ModelConfig
 from engine.model.deepseek_v41.engram import build_compressed_vocab

@@ -15,14 +15,11 @@ import torch
 from safetensors import safe_open
 
 import engine.loader.checkpoint as checkpoint_module
-from engine.loader.checkpoint import (
-    WeightFormat,
-    empty_model,
-    iter_checkpoint_tensors,
-    load_checkpoint,
-    scale_name,
-)
+import engine.loader.plan as plan_module
+from engine.loader.checkpoint import empty_model, load_checkpoint
 from engine.loader.checkpoint_writer import make_tiny, save_checkpoint
+from engine.loader.files import iter_checkpoint_tensors
+from engine.loader.formats import WeightFormat, scale_name
 from engine.model.deepseek_v41.config import ModelConfig
 from engine.model.deepseek_v41.routed_experts import RoutedExperts
 from kernels.weight_formats import dequantize_mxfp4_weight
@@ -88,13 +85,13 @@ def test_resident_expert_bytes_equal_the_stored_expert_bytes(tiny_dir: Path, pac
 
 def test_packed_load_dequantises_no_expert(tiny_dir: Path, monkeypatch) -> None:
     formats = []
-    real = checkpoint_module.dequantize
+    real = plan_module.dequantize
 
     def spy(fmt, *args):
         formats.append(fmt)
         return real(fmt, *args)
 
-    monkeypatch.setattr(checkpoint_module, "dequantize", spy)
+    monkeypatch.setattr(plan_module, "dequantize", spy)
     load_checkpoint(tiny_dir)
     # Packed experts and packed FP8 linears: nothing quantised is dequantised.
     assert WeightFormat.FP8_BLOCK not in formats and WeightFormat.MXFP4 not in formats

@@ -20,13 +20,9 @@ from safetensors import safe_open
 
 import engine.loader.weight_stream as weight_stream
 from bench.load_bench import write_synthetic
-from engine.loader.checkpoint import (
-    INDEX_FILE,
-    dequantize,
-    load_checkpoint,
-    scale_name,
-    weight_format,
-)
+from engine.loader.checkpoint import load_checkpoint
+from engine.loader.files import INDEX_FILE
+from engine.loader.formats import dequantize, scale_name, weight_format
 from engine.model.deepseek_v41.config import ModelConfig
 
 SHARD_BYTES = 3_000_000

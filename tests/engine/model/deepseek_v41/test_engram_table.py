@@ -16,8 +16,9 @@ import torch
 from safetensors import safe_open
 
 from engine.loader import checkpoint
-from engine.loader.checkpoint import SINGLE_FILE, load_checkpoint
+from engine.loader.checkpoint import load_checkpoint
 from engine.loader.checkpoint_writer import make_tiny, save_checkpoint
+from engine.loader.files import SINGLE_FILE
 from engine.model.deepseek_v41.engram_table import MappedEngramTable, tensor_span
 from engine.model.deepseek_v41.model import DeepseekV41
 from kernels.weight_formats import dequantize_fp8_rows
