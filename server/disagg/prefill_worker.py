@@ -30,7 +30,8 @@ from server.http.auth import tenant_salt
 from server.http.errors import from_engine_error, unavailable
 from server.openai.generation import ClientGone, ServingContext
 from server.openai.protocol import ChatCompletionRequest, CompletionRequest
-from server.openai.serving_chat import CLIENT_CLOSED, plan_chat
+from server.openai.serving_base import CLIENT_CLOSED
+from server.openai.serving_chat import plan_chat
 from server.openai.serving_completions import completion_prompt_ids
 
 
