@@ -170,7 +170,7 @@ def _prompt_logprobs(
 def plan_chat(ctx: ServingContext, body: ChatCompletionRequest, api_key: str | None) -> ChatPlan:
     """Prompt, sampling and grammar of every choice; raises ``APIError`` for what cannot run."""
     route = resolve_model(body.model, ctx.settings.served_model_name)
-    logit_bias(body, ctx.engine.vocab_size)  # cheap checks before the expensive work
+    bias = logit_bias(body, ctx.engine.vocab_size)  # cheap checks before the expensive work
     thinking = thinking_enabled(
         route, body.thinking.type if body.thinking else None, body.reasoning_effort
     )
@@ -220,6 +220,7 @@ def plan_chat(ctx: ServingContext, body: ChatCompletionRequest, api_key: str | N
             n=n,
             logprobs=logprobs,
             vocab_size=ctx.engine.vocab_size,
+            bias=bias,
             banned=banned,
             seed_offset=k,
             mask_provider=mask,

@@ -76,7 +76,7 @@ async def create_completion(
     """``fim``: the ``/beta/completions`` path (always fill-in-the-middle)."""
     route = resolve_model(body.model, ctx.settings.served_model_name)
     check_fan_out(ctx, body.n, len(body.prompts()))
-    logit_bias(body, ctx.engine.vocab_size)  # cheap checks before tokenising
+    bias = logit_bias(body, ctx.engine.vocab_size)  # cheap checks before tokenising
     # Tokenising happens off the event loop (ServingContext.offload).
     prompts = await ctx.offload(_prompts, ctx, body, fim)
     request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -96,6 +96,7 @@ async def create_completion(
             n=body.n,
             logprobs=body.logprobs,
             vocab_size=ctx.engine.vocab_size,
+            bias=bias,
             prompt_logprobs=_prompt_scoring(body),
         )
         request = Request(f"{request_id}-{i}", prompt.ids, params, cache_salt=salt)
