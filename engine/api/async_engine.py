@@ -23,7 +23,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from engine.api.request import Request, RequestError, RequestOutput
+from engine.api.errors import EngineDeadError, RequestError, RequestFailedError
+from engine.api.request import Request, RequestOutput
 from engine.config import EngineConfig
 from engine.core.llm_engine import EngineStats, LLMEngine
 from engine.loader.builder import build_engine
@@ -32,15 +33,6 @@ logger = logging.getLogger(__name__)
 
 # How long the idle engine thread sleeps on its inbox before checking for shutdown.
 _IDLE_WAIT_S = 0.5
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread stopped (shut down, or a step raised)."""
-
-
-class RequestFailedError(RuntimeError):
-    """One request failed inside the engine for a reason other than its own input (a bug
-    in its mask provider or stop handling); the engine goes on. The cause is chained."""
 
 
 @dataclass(slots=True)
@@ -125,10 +117,9 @@ class AsyncEngine:
     async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
         """Stream ``request``'s outputs; the last one has ``finished=True``.
 
-        Raises ``ValueError`` for a request that can never run and
+        Raises ``RequestError`` for a request that can never run and
         ``EngineDeadError`` if the engine thread has stopped.
         """
-        self.engine.validate(request)  # configuration only: safe from this thread
         rid = request.request_id
         with self._lock:
             if self._error is not None or self._stopping.is_set():
@@ -190,7 +181,8 @@ class AsyncEngine:
         )
 
     def validate(self, request: Request) -> None:
-        """Raise ``ValueError`` if ``request`` can never run (what ``generate`` checks first)."""
+        """Raise ``RequestError`` if ``request`` can never run (the engine checks it again when
+        it adds the request; a server calls this first to refuse it before responding)."""
         self.engine.validate(request)
 
     # The model facts a server needs to build requests (read-only, set at build time).
@@ -301,7 +293,7 @@ class AsyncEngine:
                 self._queued_seqs -= _num_seqs(cmd.request)
             try:
                 self.engine.add_request(cmd.request)
-            except Exception as exc:  # validated already; anything left is a bug to report
+            except Exception as exc:  # a RequestError (add_request validates), or a bug
                 cmd.stream.put(exc)
                 return
             self._streams[rid] = cmd.stream

@@ -37,7 +37,8 @@ from tokenizers import Tokenizer
 
 from engine.api import core_protocol as wire
 from engine.api.async_engine import AsyncEngine, EngineDeadError, PrefillResult, RequestFailedError
-from engine.api.request import Request, RequestError, RequestOutput
+from engine.api.errors import RequestError
+from engine.api.request import Request, RequestOutput
 from engine.config import EngineConfig
 from engine.core.core_process import CoreSpec, log_levels, run_core
 from engine.core.llm_engine import EngineStats
@@ -135,7 +136,7 @@ class EngineCoreClient:
 
     # ------------------------------------------------------------ public API
     async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
-        """As ``AsyncEngine.generate``: outputs until ``finished``; ``ValueError`` for a
+        """As ``AsyncEngine.generate``: outputs until ``finished``; ``RequestError`` for a
         request that can never run, ``EngineDeadError`` once the core is gone."""
         async for out in self._generate(request, None):
             yield out
@@ -143,7 +144,6 @@ class EngineCoreClient:
     async def _generate(
         self, request: Request, publish_timeout: float | None
     ) -> AsyncIterator[RequestOutput]:
-        self.validate(request)
         rid = request.request_id
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         msg = wire.ENCODER.encode(wire.add_msg(request, publish_timeout))
@@ -164,7 +164,7 @@ class EngineCoreClient:
                     raise item
                 finished = item.finished
                 if item.error is not None:
-                    if isinstance(item.error, RequestError | wire.AddRejected):
+                    if isinstance(item.error, RequestError):
                         raise item.error
                     raise RequestFailedError("the request failed in the engine") from item.error
                 yield item
@@ -206,6 +206,8 @@ class EngineCoreClient:
         )
 
     def validate(self, request: Request) -> None:
+        """As ``AsyncEngine.validate``, against the limits the core sent at start-up: a
+        server refuses a request that can never run without a round trip."""
         self._limits.validate(request)
 
     @property

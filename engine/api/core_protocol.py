@@ -20,10 +20,10 @@ from typing import Any
 
 import msgspec
 
+from engine.api.errors import RequestError
 from engine.api.request import (
     CompletionOutput,
     Request,
-    RequestError,
     RequestMetrics,
     RequestOutput,
     TokenLogprob,
@@ -65,12 +65,13 @@ ToCore = AddMsg | AbortMsg | ShutdownMsg
 
 
 class WireError(msgspec.Struct, array_like=True):
-    """An exception that ended one request: ``request`` (its own fault, e.g. a dead
-    grammar; the message is for the client), ``add`` (the core refused it with a
-    ``ValueError``) or ``internal`` (a bug; the text is for the log)."""
+    """An exception that ended one request: ``request`` (a ``RequestError``: its own
+    fault, e.g. a field out of range or a dead grammar; ``param`` and the message are
+    for the client) or ``internal`` (a bug; the text is for the log)."""
 
     kind: str
     message: str
+    param: str | None = None
 
 
 class WireOutput(msgspec.Struct, array_like=True):
@@ -170,23 +171,15 @@ def request_of(msg: AddMsg) -> Request:
     )
 
 
-class AddRejected(ValueError):
-    """The core refused to add a request (``LLMEngine.add_request`` raised ``ValueError``)."""
-
-
-def wire_error(exc: BaseException, adding: bool = False) -> WireError:
+def wire_error(exc: BaseException) -> WireError:
     if isinstance(exc, RequestError):
-        return WireError("request", str(exc))
-    if adding and isinstance(exc, ValueError):
-        return WireError("add", str(exc))
+        return WireError("request", exc.message, exc.param)
     return WireError("internal", repr(exc))
 
 
 def error_of(err: WireError) -> BaseException:
     if err.kind == "request":
-        return RequestError(err.message)
-    if err.kind == "add":
-        return AddRejected(err.message)
+        return RequestError(err.param, err.message)
     return RuntimeError(f"in the engine core: {err.message}")
 
 

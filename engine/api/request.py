@@ -11,12 +11,6 @@ from kvstore.device.page_hash import Salt
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
-class RequestError(ValueError):
-    """A request cannot go on because of what it asked for (e.g. its grammar reached
-    a state that allows no token). The message is written for the client; the engine
-    ends that request with it and keeps serving the others."""
-
-
 @dataclass(slots=True)
 class Request:
     """A prompt (token ids) and how to continue it.
@@ -118,5 +112,6 @@ class RequestOutput:
     # queued for the SSD tier (``AsyncEngine.prefill`` waits for them).
     published_pages: list[bytes] | None = None
     # Set on the final output of a request that failed (finish reason "error"): a
-    # ``RequestError`` (the request's fault) or any other exception (a server bug).
+    # ``RequestError`` (the request's fault, ``engine/api/errors.py``) or any other
+    # exception (a server bug).
     error: BaseException | None = None

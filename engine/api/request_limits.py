@@ -2,8 +2,9 @@
 
 ``LLMEngine.validate`` checks a request against its own limits; the engine
 core's client (``engine/api/core_client.py``) receives the same limits from the
-core process once, at start-up, and checks requests in the API process, so a
-request that can never run is refused with a 400 without a round trip.
+core process once, at start-up, so a server can check a request in the API
+process (a 400 before any response starts) without a round trip. Every refusal
+is a ``RequestError`` naming the field (``engine/api/errors.py``).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from engine.api.errors import RequestError
 from engine.api.request import Request
 
 
@@ -27,31 +29,36 @@ class RequestLimits:
         return math.ceil(num_tokens / self.page_tokens)
 
     def validate(self, request: Request) -> None:
-        """Raise ``ValueError`` (naming the field) if ``request`` can never run."""
+        """Raise ``RequestError`` (naming the field) if ``request`` can never run."""
         params = request.sampling_params
         if self.encoder_only and not request.prefill_only:
-            raise ValueError(
+            raise RequestError(
+                None,
                 "this engine holds the encoder layers only (a prefill worker): "
-                "it runs prefill-only requests"
+                "it runs prefill-only requests",
             )
         params.validate(self.vocab_size)
-        prompt = request.prompt_token_ids
-        if not prompt:
-            raise ValueError("prompt_token_ids: the prompt is empty")
-        if any(not 0 <= t < self.vocab_size for t in prompt):
-            raise ValueError(f"prompt_token_ids: ids must lie in [0, {self.vocab_size})")
-        if len(prompt) >= self.max_model_len:
-            raise ValueError(
-                f"prompt_token_ids: {len(prompt)} tokens leave no room under "
-                f"max_model_len={self.max_model_len}"
-            )
-        if self.pages_needed(len(prompt)) > self.num_pages:
-            raise ValueError(
-                f"prompt_token_ids: {len(prompt)} tokens need more KV pages than the cache holds "
-                f"({self.num_pages} pages of {self.page_tokens} tokens)"
-            )
+        self._check_prompt(request.prompt_token_ids)
         if params.stop and not self.has_tokenizer:
-            raise ValueError("SamplingParams.stop: stop strings need a tokenizer")
+            raise RequestError("stop", "stop strings need a tokenizer")
         if params.n > 1 and params.mask_provider is not None:
             # A provider holds one sequence's parse state.
-            raise ValueError("SamplingParams.n: a mask provider serves one sequence (n = 1)")
+            raise RequestError("n", "a mask provider serves one sequence (n = 1)")
+
+    def _check_prompt(self, prompt: list[int]) -> None:
+        field = "prompt_token_ids"
+        if not prompt:
+            raise RequestError(field, "the prompt is empty")
+        if any(not 0 <= t < self.vocab_size for t in prompt):
+            raise RequestError(field, f"ids must lie in [0, {self.vocab_size})")
+        if len(prompt) >= self.max_model_len:
+            raise RequestError(
+                field,
+                f"{len(prompt)} tokens leave no room under max_model_len={self.max_model_len}",
+            )
+        if self.pages_needed(len(prompt)) > self.num_pages:
+            raise RequestError(
+                field,
+                f"{len(prompt)} tokens need more KV pages than the cache holds "
+                f"({self.num_pages} pages of {self.page_tokens} tokens)",
+            )

@@ -2,8 +2,9 @@
 
 The server validates user input (pydantic) and builds one ``SamplingParams`` per
 request; ``validate`` only re-checks the invariants the sampler and detokenizer
-rely on. Semantics of each field, and the order the sampler applies them in, are
-in docs/design/engine.md, "Sampling".
+rely on, raising ``RequestError`` with the field named. Semantics of each field,
+and the order the sampler applies them in, are in docs/design/engine.md,
+"Sampling".
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+
+from engine.api.errors import RequestError
 
 # OpenAI caps `top_logprobs` at 20.
 MAX_TOP_LOGPROBS = 20
@@ -48,7 +51,7 @@ class TokenMaskProvider(Protocol):
 
 def _check(ok: bool, field_name: str, message: str) -> None:
     if not ok:
-        raise ValueError(f"SamplingParams.{field_name}: {message}")
+        raise RequestError(field_name, message)
 
 
 @dataclass(slots=True)
@@ -79,7 +82,7 @@ class SamplingParams:
     mask_provider: TokenMaskProvider | None = None
 
     def validate(self, vocab_size: int | None = None) -> None:
-        """Raise ``ValueError`` naming the field if an invariant does not hold."""
+        """Raise ``RequestError`` naming the field if an invariant does not hold."""
         _check(math.isfinite(self.temperature) and self.temperature >= 0, "temperature", ">= 0")
         _check(0.0 < self.top_p <= 1.0, "top_p", "in (0, 1]")
         _check(self.top_k >= -1, "top_k", ">= -1")
@@ -105,10 +108,14 @@ class SamplingParams:
         _check(0 <= self.min_tokens <= self.max_tokens, "min_tokens", "in [0, max_tokens]")
         _check(all(s for s in self.stop), "stop", "no empty strings")
         _check(self.n >= 1, "n", ">= 1")
-        ids = list(self.stop_token_ids) + list(self.logit_bias or {})
-        _check(all(i >= 0 for i in ids), "stop_token_ids/logit_bias", "token ids >= 0")
-        if vocab_size is not None:
-            _check(all(i < vocab_size for i in ids), "stop_token_ids/logit_bias", "ids < vocab")
+        token_ids = {
+            "stop_token_ids": self.stop_token_ids,
+            "logit_bias": list(self.logit_bias or {}),
+        }
+        for name, ids in token_ids.items():
+            _check(all(i >= 0 for i in ids), name, "token ids >= 0")
+            if vocab_size is not None:
+                _check(all(i < vocab_size for i in ids), name, "ids < vocab")
         _check(
             all(math.isfinite(b) for b in (self.logit_bias or {}).values()),
             "logit_bias",

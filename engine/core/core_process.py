@@ -240,7 +240,7 @@ def _drain(core: _Core, inbox: zmq.Socket) -> bool:
         core.applied_seqs += msg.num_seqs
         try:
             core.engine.add_request(wire.request_of(msg))
-        except Exception as exc:  # validated already in the API process; a bug otherwise
+        except Exception as exc:  # a RequestError (add_request validates), or a bug
             core.send(wire.StepMsg([_failed(msg, exc)], core.engine.stats(), core.applied_seqs))
             continue
         if msg.prefill_only:
@@ -258,7 +258,7 @@ def _failed(msg: wire.AddMsg, exc: BaseException) -> wire.WireOutput:
         metrics=RequestMetrics(arrival_time=msg.arrival_time),
         prompt_logprobs=None,
         published_pages=None,
-        error=wire.wire_error(exc, adding=True),
+        error=wire.wire_error(exc),
     )
 
 

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 import torch
 from tokenizers import Tokenizer
 
+from engine.api.errors import RequestError
 from engine.api.request import (
     CompletionOutput,
     Request,
-    RequestError,
     RequestMetrics,
     RequestOutput,
     TokenLogprob,
@@ -140,7 +140,7 @@ class LLMEngine:
 
     # ------------------------------------------------------------ requests
     def validate(self, request: Request) -> None:
-        """Raise ``ValueError`` if ``request`` can never run; reads configuration only."""
+        """Raise ``RequestError`` if ``request`` can never run; reads configuration only."""
         self.limits().validate(request)
 
     def limits(self) -> RequestLimits:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.api.request import RequestError
+from engine.api.errors import RequestError
 from engine.api.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
@@ -114,8 +114,9 @@ def apply_token_masks(
             allowed = allowed_token_mask(mask, logits.shape[1]).to(logits.device)
             if not bool(allowed.any()):
                 raise RequestError(
+                    None,
                     "the required output format allows no next token here: its grammar "
-                    "describes no complete output (for example a pattern no string matches)"
+                    "describes no complete output (for example a pattern no string matches)",
                 )
         except Exception as exc:  # the row's own fault; the engine keeps running
             failed[row] = exc

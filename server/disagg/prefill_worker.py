@@ -23,13 +23,15 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 
 from engine.api.async_engine import PrefillResult
+from engine.api.errors import RequestError
 from engine.api.request import Request
 from engine.api.sampling_params import SamplingParams
 from server.http.auth import tenant_salt
-from server.http.errors import unavailable
-from server.openai.generation import ClientGone, ServingContext, engine_error, request_error
+from server.http.errors import from_engine_error, unavailable
+from server.openai.generation import ClientGone, ServingContext
 from server.openai.protocol import ChatCompletionRequest, CompletionRequest
-from server.openai.serving_chat import CLIENT_CLOSED, plan_chat
+from server.openai.serving_base import CLIENT_CLOSED
+from server.openai.serving_chat import plan_chat
 from server.openai.serving_completions import completion_prompt_ids
 
 
@@ -105,8 +107,8 @@ async def _publish(
     for r in requests:
         try:
             ctx.engine.validate(r)
-        except ValueError as exc:
-            raise request_error(str(exc), prompt_param) from exc
+        except RequestError as exc:
+            raise from_engine_error(exc, prompt_param) from exc
     timeout = ctx.settings.publish_timeout_s
     poll_s = ctx.settings.disconnect_poll_s
 
@@ -128,7 +130,7 @@ async def _publish(
     except ExceptionGroup as failed:
         if failed.subgroup(ClientGone) is not None:
             return Response(status_code=CLIENT_CLOSED)
-        raise engine_error(failed.exceptions[0]) from failed
+        raise from_engine_error(failed.exceptions[0], prompt_param) from failed
     finally:
         ctx.admission.leave()
     return _respond(ctx, [t.result() for t in tasks])

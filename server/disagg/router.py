@@ -86,6 +86,110 @@ class RouterSettings:
             raise ValueError("RouterSettings.affinity_slack must be >= 0")
 
 
+@dataclass(slots=True)
+class Upstreams:
+    """The router's two pools and its one HTTP client: the calls a request makes."""
+
+    router: RouterSettings
+    metrics: ServerMetrics
+    client: httpx.AsyncClient
+    prefill_pool: WorkerPool
+    decode_pool: WorkerPool
+
+    async def prefill(
+        self, path: str, body: bytes, headers: dict[str, str], session: bytes | None
+    ) -> Handover | None:
+        """Publish the prompt's pages through a prefill worker; None on any failure."""
+        url = self.prefill_pool.order(session)[0]
+        timeout = httpx.Timeout(
+            self.router.prefill_timeout_s, connect=self.router.connect_timeout_s
+        )
+        disagg = self.metrics.disagg
+        started = time.monotonic()
+        self.prefill_pool.acquire(url)
+        try:
+            reply = await self.client.post(
+                url + PREFILL_ROUTES[path], content=body, headers=headers, timeout=timeout
+            )
+        except httpx.TimeoutException:
+            logger.warning("prefill worker %s timed out; the decode worker prefills", url)
+            disagg.fallback("prefill_timeout")
+            return None
+        except httpx.HTTPError as exc:
+            logger.warning("prefill worker %s failed (%r); the decode worker prefills", url, exc)
+            disagg.fallback("prefill_error")
+            return None
+        finally:
+            self.prefill_pool.release(url)
+            disagg.prefill_seconds.observe(time.monotonic() - started)
+        if reply.status_code == 200:
+            try:
+                published = PrefillResponse.model_validate_json(reply.content)
+            except ValidationError:
+                disagg.fallback("prefill_error")
+                return None
+            pages = tuple(p.published_pages for p in published.prompts)
+            hits = tuple(p.hit_tokens for p in published.prompts)
+            return Handover(pages, published.published_at, hits)
+        if reply.status_code >= 500 or reply.status_code == 429:
+            logger.warning("prefill worker %s answered %d", url, reply.status_code)
+            disagg.fallback("prefill_error")
+        # Other 4xx: the request is bad; the decode worker gives the client its error.
+        return None
+
+    async def decode(
+        self,
+        path: str,
+        body: bytes,
+        headers: dict[str, str],
+        handover: Handover | None,
+        session: bytes | None,
+        arrived_at: float,
+    ) -> Response:
+        headers = {**headers, ARRIVAL_HEADER: repr(arrived_at)}
+        if handover is not None:
+            headers[HANDOVER_HEADER] = handover.header()
+        timeout = httpx.Timeout(self.router.decode_timeout_s, connect=self.router.connect_timeout_s)
+        # The next worker only if this one cannot be reached.
+        for url in self.decode_pool.order(session):
+            request = self.client.build_request(
+                "POST", url + path, content=body, headers=headers, timeout=timeout
+            )
+            self.decode_pool.acquire(url)
+            try:
+                upstream = await self.client.send(request, stream=True)
+            except httpx.ConnectError as exc:
+                self.decode_pool.release(url)
+                logger.warning("decode worker %s unreachable: %r", url, exc)
+                continue
+            except httpx.HTTPError as exc:
+                self.decode_pool.release(url)
+                raise unavailable(f"The decode worker failed: {exc!r}") from exc
+            return _relay(upstream, functools.partial(self.decode_pool.release, url))
+        raise unavailable("No decode worker could be reached")
+
+    async def health(self) -> dict[str, str | int]:
+        """200 while at least one decode worker is healthy (a dead prefill pool only
+        costs fallbacks)."""
+
+        async def ok(url: str) -> bool:
+            try:
+                reply = await self.client.get(
+                    url + "/health", timeout=self.router.connect_timeout_s
+                )
+            except httpx.HTTPError:
+                return False
+            return reply.status_code == 200
+
+        urls = self.prefill_pool.urls + self.decode_pool.urls
+        checks = await asyncio.gather(*(ok(u) for u in urls))
+        n = len(self.prefill_pool.urls)
+        prefill_ok, decode_ok = sum(checks[:n]), sum(checks[n:])
+        if decode_ok == 0:
+            raise unavailable("No decode worker is healthy")
+        return {"status": "ok", "prefill_workers": prefill_ok, "decode_workers": decode_ok}
+
+
 def create_router_app(
     settings: ServerSettings,
     router: RouterSettings,
@@ -98,6 +202,7 @@ def create_router_app(
         for urls in (router.prefill_urls, router.decode_urls)
     )
     client = httpx.AsyncClient(transport=transport, timeout=router.decode_timeout_s)
+    upstreams = Upstreams(router, metrics, client, prefill_pool, decode_pool)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -113,74 +218,6 @@ def create_router_app(
     )
     auth = api_key_dependency(settings.api_keys)
 
-    async def prefill(
-        path: str, body: bytes, headers: dict[str, str], session: bytes | None
-    ) -> Handover | None:
-        """Publish the prompt's pages through a prefill worker; None on any failure."""
-        url = prefill_pool.order(session)[0]
-        timeout = httpx.Timeout(router.prefill_timeout_s, connect=router.connect_timeout_s)
-        started = time.monotonic()
-        prefill_pool.acquire(url)
-        try:
-            reply = await client.post(
-                url + PREFILL_ROUTES[path], content=body, headers=headers, timeout=timeout
-            )
-        except httpx.TimeoutException:
-            logger.warning("prefill worker %s timed out; the decode worker prefills", url)
-            metrics.disagg.fallback("prefill_timeout")
-            return None
-        except httpx.HTTPError as exc:
-            logger.warning("prefill worker %s failed (%r); the decode worker prefills", url, exc)
-            metrics.disagg.fallback("prefill_error")
-            return None
-        finally:
-            prefill_pool.release(url)
-            metrics.disagg.prefill_seconds.observe(time.monotonic() - started)
-        if reply.status_code == 200:
-            try:
-                published = PrefillResponse.model_validate_json(reply.content)
-            except ValidationError:
-                metrics.disagg.fallback("prefill_error")
-                return None
-            pages = tuple(p.published_pages for p in published.prompts)
-            hits = tuple(p.hit_tokens for p in published.prompts)
-            return Handover(pages, published.published_at, hits)
-        if reply.status_code >= 500 or reply.status_code == 429:
-            logger.warning("prefill worker %s answered %d", url, reply.status_code)
-            metrics.disagg.fallback("prefill_error")
-        # Other 4xx: the request is bad; the decode worker gives the client its error.
-        return None
-
-    async def decode(
-        path: str,
-        body: bytes,
-        headers: dict[str, str],
-        handover: Handover | None,
-        session: bytes | None,
-        arrived_at: float,
-    ) -> Response:
-        headers = {**headers, ARRIVAL_HEADER: repr(arrived_at)}
-        if handover is not None:
-            headers[HANDOVER_HEADER] = handover.header()
-        timeout = httpx.Timeout(router.decode_timeout_s, connect=router.connect_timeout_s)
-        # The next worker only if this one cannot be reached.
-        for url in decode_pool.order(session):
-            request = client.build_request(
-                "POST", url + path, content=body, headers=headers, timeout=timeout
-            )
-            decode_pool.acquire(url)
-            try:
-                upstream = await client.send(request, stream=True)
-            except httpx.ConnectError as exc:
-                decode_pool.release(url)
-                logger.warning("decode worker %s unreachable: %r", url, exc)
-                continue
-            except httpx.HTTPError as exc:
-                decode_pool.release(url)
-                raise unavailable(f"The decode worker failed: {exc!r}") from exc
-            return _relay(upstream, functools.partial(decode_pool.release, url))
-        raise unavailable("No decode worker could be reached")
-
     async def proxy(request: HttpRequest, _: Annotated[str | None, Depends(auth)]) -> Response:
         arrived_at = time.time()
         body = await request.body()
@@ -188,8 +225,9 @@ def create_router_app(
         if "authorization" in request.headers:
             headers["authorization"] = request.headers["authorization"]
         session = session_key(body, headers.get("authorization"))
-        handover = await prefill(request.url.path, body, headers, session)
-        return await decode(request.url.path, body, headers, handover, session, arrived_at)
+        path = request.url.path
+        handover = await upstreams.prefill(path, body, headers, session)
+        return await upstreams.decode(path, body, headers, handover, session, arrived_at)
 
     for path in PREFILL_ROUTES:
         app.add_api_route(path, proxy, methods=["POST"], response_model=None)
@@ -200,20 +238,7 @@ def create_router_app(
     async def health() -> dict[str, str | int]:
         """200 while at least one decode worker is healthy (a dead prefill pool only
         costs fallbacks)."""
-
-        async def ok(url: str) -> bool:
-            try:
-                reply = await client.get(url + "/health", timeout=router.connect_timeout_s)
-            except httpx.HTTPError:
-                return False
-            return reply.status_code == 200
-
-        checks = await asyncio.gather(*(ok(u) for u in prefill_pool.urls + decode_pool.urls))
-        n = len(prefill_pool.urls)
-        prefill_ok, decode_ok = sum(checks[:n]), sum(checks[n:])
-        if decode_ok == 0:
-            raise unavailable("No decode worker is healthy")
-        return {"status": "ok", "prefill_workers": prefill_ok, "decode_workers": decode_ok}
+        return await upstreams.health()
 
     @app.get("/metrics", response_class=Response)
     async def metrics_route() -> Response:

@@ -9,14 +9,23 @@ Status codes (api-docs.deepseek.com, "Error Codes"): 400 invalid format,
 401 authentication fails, 402 insufficient balance (never sent here),
 422 invalid parameters, 429 rate limit / overload, 500 server error,
 503 server overloaded. We add 413 for a body over the size limit.
+
+What the engine raises is typed (``engine/api/errors.py``); ``from_engine_error``
+is the one place those types become status codes, and the one place the
+engine's field names become the API's.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from pydantic import ValidationError
+
+from engine.api.errors import EngineDeadError, RequestError
+
+logger = logging.getLogger(__name__)
 
 INVALID_REQUEST = "invalid_request_error"
 AUTHENTICATION = "authentication_error"
@@ -125,6 +134,34 @@ def server_error(
 
 def unavailable(message: str = "The server is overloaded or not ready; retry later") -> APIError:
     return APIError(503, message)
+
+
+# The engine's name for the prompt (``Request.prompt_token_ids``); each front end
+# names its own prompt field (chat: ``messages``, completions: ``prompt``).
+ENGINE_PROMPT = "prompt_token_ids"
+
+
+def from_engine_error(exc: BaseException, prompt_param: str = "messages") -> APIError:
+    """The API error for an exception out of the engine (``prompt_param``: what the front
+    end calls the prompt).
+
+    A ``RequestError`` naming the prompt, or none, is a 400 (the prompt cannot fit, the
+    request as a whole cannot run); one naming a sampling field is a 422 (a value out of
+    its range). ``EngineDeadError`` is a 503; anything else is a bug: a 500, logged."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, RequestError):
+        if exc.param is None:
+            return invalid_request(exc.message)
+        if exc.param == ENGINE_PROMPT:
+            return invalid_request(f"{prompt_param}: {exc.message}", prompt_param)
+        return invalid_parameter(str(exc), exc.param)
+    if isinstance(exc, EngineDeadError):
+        # Its text names the failed step's exception: for the log, not the client.
+        logger.warning("request refused: %s", exc)
+        return unavailable("The engine is not running")
+    logger.error("engine request failed", exc_info=exc)
+    return server_error()
 
 
 def format_loc(loc: Iterable[int | str]) -> str | None:

@@ -12,7 +12,6 @@ free its pages.
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -22,8 +21,8 @@ from typing import Any, TypeVar
 
 from tokenizers import Tokenizer
 
-from engine.api.async_engine import EngineDeadError
 from engine.api.core_client import EngineClient
+from engine.api.errors import RequestError
 from engine.api.request import CompletionOutput, Request, RequestOutput, TokenLogprob, Usage
 from server.chat.structured_output import StructuredOutputCompiler
 from server.disagg.handover import (
@@ -33,15 +32,19 @@ from server.disagg.handover import (
     local_time,
     parse_arrival,
 )
-from server.http.errors import APIError, invalid_parameter, invalid_request, overloaded, unavailable
+from server.http.errors import (
+    APIError,
+    from_engine_error,
+    invalid_request,
+    overloaded,
+    unavailable,
+)
 from server.metrics.metrics import ServerMetrics
 from server.openai.logprobs import TokenTexts
 from server.openai.pricing import Cost
 from server.openai.protocol import Usage as ApiUsage
 from server.openai.protocol import UsageCost
 from server.settings import ServerSettings
-
-logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -186,30 +189,6 @@ def routed_of(ctx: ServingContext, headers: Mapping[str, str]) -> Routed | None:
     return Routed(handover, arrival, published)
 
 
-def engine_error(exc: BaseException) -> APIError:
-    """The API error for an exception out of the engine."""
-    if isinstance(exc, APIError):
-        return exc
-    if isinstance(exc, EngineDeadError):
-        # Its text names the failed step's exception: for the log, not the client.
-        logger.warning("request refused: %s", exc)
-        return unavailable("The engine is not running")
-    if isinstance(exc, ValueError):
-        return request_error(str(exc))
-    logger.error("engine request failed", exc_info=exc)
-    return APIError(500, "The server had an error while processing your request")
-
-
-def request_error(message: str, prompt_param: str = "messages") -> APIError:
-    """A ``ValueError`` of ``AsyncEngine.validate``: a prompt problem or a sampling field."""
-    if message.startswith("prompt_token_ids"):
-        return invalid_request(message.replace("prompt_token_ids", prompt_param, 1), prompt_param)
-    if message.startswith("SamplingParams."):
-        name = message.removeprefix("SamplingParams.").split(":", 1)[0].split("/", 1)[0]
-        return invalid_parameter(message, name)
-    return invalid_request(message)
-
-
 class Generation:
     """The merged outputs of an API request's engine calls."""
 
@@ -225,6 +204,11 @@ class Generation:
     ) -> None:
         """Validate every call, then take a place in the admission count (or raise).
 
+        This is where a request is validated: the engine's ``validate`` refuses what can
+        never run before any response starts, so it is a 400 or 422, not a failed
+        stream (the engine checks again as it adds the request, for its own sake).
+        ``prompt_param``: what the API calls the prompt, in the errors.
+
         ``routed`` (a decode worker of a split deployment): the pages a prefill
         worker published for these prompts, measured when each prompt's first
         call finishes, and the router's arrival time, from which TTFT and
@@ -234,11 +218,12 @@ class Generation:
         for call in calls:
             try:
                 ctx.engine.validate(call.request)
-            except ValueError as exc:
-                raise request_error(str(exc), prompt_param) from exc
+            except RequestError as exc:
+                raise from_engine_error(exc, prompt_param) from exc
         self._sequences = sum(c.request.sampling_params.n for c in calls)
         ctx.admission.enter(self._sequences)
         self._ctx = ctx
+        self._prompt_param = prompt_param
         self._calls = sorted(calls, key=lambda c: c.first_index)
         self._clock = clock
         self._arrived = wall_clock()  # what the request is priced at
@@ -317,7 +302,7 @@ class Generation:
             except TimeoutError:
                 return None
         if isinstance(item, BaseException):
-            raise engine_error(item)
+            raise from_engine_error(item, self._prompt_param)
         self._usage[k] = item.usage
         if item.prompt_logprobs is not None:
             self.prompt_scores[k] = item.prompt_logprobs

@@ -26,13 +26,13 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from engine.api.sampling_params import MAX_TOP_LOGPROBS
 from server.http.errors import APIError
 from server.http.input_checks import check_arguments_text, check_body
 
 MAX_TOOLS = 128
 MAX_STOP = 16
 MAX_TOKEN_ID_DIGITS = 9  # token ids stay below 10^9
-MAX_TOP_LOGPROBS = 20
 MAX_N = 128
 # DeepSeek's reasoning_effort aliases on the V4.1 budget scale (docs/design/architecture.md §3.2:
 # low 50, high 75, max 100). "medium" and "xhigh" follow DeepSeek's API, which maps

@@ -2,7 +2,7 @@
 
 Defaults are DeepSeek's and OpenAI's: temperature 1, top_p 1, no penalties.
 pydantic has checked every range already; what needs the model (token ids
-within the vocabulary) is checked here.
+within the vocabulary) is checked here, once per request.
 """
 
 from __future__ import annotations
@@ -22,9 +22,11 @@ BANNED_BIAS = -100.0
 
 
 def logit_bias(
-    body: ChatCompletionRequest | CompletionRequest, vocab_size: int, banned: Iterable[int] = ()
-) -> dict[int, float] | None:
-    """The request's ``logit_bias`` by token id, plus the ``banned`` ids."""
+    body: ChatCompletionRequest | CompletionRequest, vocab_size: int
+) -> dict[int, float]:
+    """The request's ``logit_bias`` by token id, checked against the vocabulary (the one
+    check of its ids; pydantic has checked keys and values). Called once, before the
+    expensive work; ``sampling_params`` takes its result."""
     bias = body.logit_bias_ids()
     for token_id in bias:
         if token_id >= vocab_size:
@@ -32,9 +34,14 @@ def logit_bias(
                 f"logit_bias: token id {token_id} is outside the vocabulary (size {vocab_size})",
                 "logit_bias",
             )
+    return bias
+
+
+def _with_banned(bias: dict[int, float], banned: Iterable[int]) -> dict[int, float] | None:
+    out = dict(bias)
     for token_id in banned:
-        bias[token_id] = min(bias.get(token_id, 0.0), BANNED_BIAS)
-    return bias or None
+        out[token_id] = min(out.get(token_id, 0.0), BANNED_BIAS)
+    return out or None
 
 
 def check_fan_out(ctx: ServingContext, n: int, prompts: int) -> None:
@@ -58,13 +65,15 @@ def sampling_params(
     n: int,
     logprobs: int | None,
     vocab_size: int,
+    bias: dict[int, float],
     banned: Iterable[int] = (),
     seed_offset: int = 0,
     mask_provider: TokenMaskProvider | None = None,
     prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """``n`` choices of ``body``; ``seed_offset`` seeds choice ``k`` of a split request as
-    ``seed + k``, which is how the engine seeds sibling choices of one request."""
+    ``seed + k``, which is how the engine seeds sibling choices of one request.
+    ``bias``: what ``logit_bias`` returned for ``body``; ``banned`` ids are added to it."""
     return SamplingParams(
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
@@ -77,7 +86,7 @@ def sampling_params(
         seed=None if body.seed is None else body.seed + seed_offset,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
-        logit_bias=logit_bias(body, vocab_size, banned),
+        logit_bias=_with_banned(bias, banned),
         max_tokens=max_tokens,
         stop=body.stop_list,
         n=n,

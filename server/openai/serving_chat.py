@@ -8,10 +8,9 @@ path; DeepSeek documents it under ``/beta``.
 
 from __future__ import annotations
 
-import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from fastapi import Request as HttpRequest
@@ -23,16 +22,8 @@ from server.chat.chat_output import ChatOutputParser
 from server.chat.structured_output import GrammarMaskProvider
 from server.chat.tool_calls import DSML, THINK_END, THINK_START
 from server.http.auth import tenant_salt
-from server.http.errors import APIError, server_error
-from server.http.sse import DONE, KEEP_ALIVE, EventStreamResponse, event
-from server.openai.generation import (
-    ClientGone,
-    EngineCall,
-    Generation,
-    ServingContext,
-    routed_of,
-    run_to_end,
-)
+from server.http.sse import event
+from server.openai.generation import ChoiceUpdate, EngineCall, Generation, ServingContext
 from server.openai.logprobs import prompt_logprob_entries
 from server.openai.model_names import default_max_tokens, resolve_model, thinking_enabled
 from server.openai.protocol import (
@@ -48,11 +39,7 @@ from server.openai.protocol import (
 )
 from server.openai.protocol import Usage as ApiUsage
 from server.openai.sampling import check_fan_out, logit_bias, sampling_params
-
-logger = logging.getLogger(__name__)
-
-# nginx's "client closed request": logged, never read.
-CLIENT_CLOSED = 499
+from server.openai.serving_base import ResponseBuilder, serve
 
 
 @dataclass(slots=True)
@@ -79,55 +66,96 @@ async def create_chat_completion(
     check_fan_out(ctx, body.n, 1)
     # Tokenising and grammar compilation happen off the event loop (ServingContext.offload).
     plan = await ctx.offload(plan_chat, ctx, body, api_key)
-    gen = Generation(
+    return await serve(
         ctx,
         plan.calls,
+        ChatResponse(ctx, body, plan),
+        stream=body.stream,
+        http_request=http_request,
         prompt_param="messages",
-        routed=routed_of(ctx, http_request.headers),
+        log_id=plan.id,
     )
-    think_end_id = ctx.tokenizer.token_to_id(THINK_END)
-    parsers = [
-        ChatOutputParser(
-            starts_in_reasoning=plan.starts_in_reasoning,
-            parse_tools=plan.parse_tools,
-            think_end_id=think_end_id,
-            token_texts=ctx.token_texts if plan.logprobs else None,
-        )
-        for _ in range(body.n)
-    ]
-    if body.stream:
-        return EventStreamResponse(
-            _events(ctx, plan, gen, parsers, body.include_usage), on_close=gen.close
-        )
-    try:
-        await run_to_end(
-            gen,
-            lambda u: parsers[u.index].feed(u.output),
-            http_request.is_disconnected,
-            ctx.settings.disconnect_poll_s,
-        )
-    except ClientGone:
-        return Response(status_code=CLIENT_CLOSED)
-    finally:
-        await gen.close()
-    completion = ChatCompletion(
-        id=plan.id,
-        created=plan.created,
-        model=plan.model,
-        system_fingerprint=ctx.settings.system_fingerprint,
-        choices=[
-            ChatChoice(
-                index=i,
-                message=p.message(plan.thinking),
-                logprobs=p.logprobs(),
-                finish_reason=p.finish_reason,
+
+
+class ChatResponse(ResponseBuilder):
+    """One chat request's choices, each read by its own output parser, as SSE chunks
+    (a role chunk per choice, deltas, one finish chunk per choice, [usage]) or as
+    one ``ChatCompletion``."""
+
+    def __init__(self, ctx: ServingContext, body: ChatCompletionRequest, plan: ChatPlan) -> None:
+        self._ctx = ctx
+        self._body = body
+        self._plan = plan
+        think_end_id = ctx.tokenizer.token_to_id(THINK_END)
+        self._parsers = [
+            ChatOutputParser(
+                starts_in_reasoning=plan.starts_in_reasoning,
+                parse_tools=plan.parse_tools,
+                think_end_id=think_end_id,
+                token_texts=ctx.token_texts if plan.logprobs else None,
             )
-            for i, p in enumerate(parsers)
-        ],
-        usage=gen.usage(sum(p.reasoning_tokens for p in parsers)),
-        prompt_logprobs=_prompt_logprobs(ctx, body, gen),
-    )
-    return Response(completion.model_dump_json(), media_type="application/json")
+            for _ in range(body.n)
+        ]
+        self._exclude = None if body.include_usage else {"usage"}
+
+    def _chunk(self, choices: list[ChunkChoice], usage: ApiUsage | None = None) -> bytes:
+        plan = self._plan
+        payload = ChatCompletionChunk(
+            id=plan.id,
+            created=plan.created,
+            model=plan.model,
+            system_fingerprint=self._ctx.settings.system_fingerprint,
+            choices=choices,
+            usage=usage,
+        )
+        return event(payload, exclude=self._exclude)
+
+    def _reasoning_tokens(self) -> int:
+        return sum(p.reasoning_tokens for p in self._parsers)
+
+    def opening(self) -> Iterator[bytes]:
+        for i in range(len(self._parsers)):
+            yield self._chunk([ChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
+
+    def stream(self, gen: Generation, update: ChoiceUpdate) -> Iterator[bytes]:
+        parser = self._parsers[update.index]
+        piece = parser.feed(update.output)
+        if not piece.empty:
+            logprobs = piece.logprobs() if self._plan.logprobs else None
+            delta = piece.delta(self._plan.thinking)
+            yield self._chunk([ChunkChoice(index=update.index, delta=delta, logprobs=logprobs)])
+        if update.output.finished:
+            finish = parser.finish_reason
+            yield self._chunk(
+                [ChunkChoice(index=update.index, delta=ChatDelta(), finish_reason=finish)]
+            )
+
+    def collect(self, update: ChoiceUpdate) -> None:
+        self._parsers[update.index].feed(update.output)
+
+    def closing(self, gen: Generation) -> Iterator[bytes]:
+        if self._body.include_usage:
+            yield self._chunk([], usage=gen.usage(self._reasoning_tokens()))
+
+    def body(self, gen: Generation) -> ChatCompletion:
+        plan = self._plan
+        return ChatCompletion(
+            id=plan.id,
+            created=plan.created,
+            model=plan.model,
+            system_fingerprint=self._ctx.settings.system_fingerprint,
+            choices=[
+                ChatChoice(
+                    index=i,
+                    message=p.message(plan.thinking),
+                    logprobs=p.logprobs(),
+                    finish_reason=p.finish_reason,
+                )
+                for i, p in enumerate(self._parsers)
+            ],
+            usage=gen.usage(self._reasoning_tokens()),
+            prompt_logprobs=_prompt_logprobs(self._ctx, self._body, gen),
+        )
 
 
 def _prompt_logprobs(
@@ -142,7 +170,7 @@ def _prompt_logprobs(
 def plan_chat(ctx: ServingContext, body: ChatCompletionRequest, api_key: str | None) -> ChatPlan:
     """Prompt, sampling and grammar of every choice; raises ``APIError`` for what cannot run."""
     route = resolve_model(body.model, ctx.settings.served_model_name)
-    logit_bias(body, ctx.engine.vocab_size)  # cheap checks before the expensive work
+    bias = logit_bias(body, ctx.engine.vocab_size)  # cheap checks before the expensive work
     thinking = thinking_enabled(
         route, body.thinking.type if body.thinking else None, body.reasoning_effort
     )
@@ -192,6 +220,7 @@ def plan_chat(ctx: ServingContext, body: ChatCompletionRequest, api_key: str | N
             n=n,
             logprobs=logprobs,
             vocab_size=ctx.engine.vocab_size,
+            bias=bias,
             banned=banned,
             seed_offset=k,
             mask_provider=mask,
@@ -224,59 +253,3 @@ def answer_prefix(prompt: str, starts_in_reasoning: bool) -> str:
         return tail[tail.rfind(THINK_START) + len(THINK_START) :]
     end = tail.rfind(THINK_END)
     return tail[end + len(THINK_END) :] if end >= 0 else tail
-
-
-async def _events(
-    ctx: ServingContext,
-    plan: ChatPlan,
-    gen: Generation,
-    parsers: list[ChatOutputParser],
-    include_usage: bool,
-) -> AsyncIterator[bytes]:
-    """The SSE body: a role chunk per choice, deltas, one finish chunk per choice,
-    [usage chunk], ``[DONE]``; keep-alive comments while nothing comes."""
-    exclude = None if include_usage else {"usage"}
-
-    def chunk(choices: list[ChunkChoice], usage: ApiUsage | None = None) -> bytes:
-        payload = ChatCompletionChunk(
-            id=plan.id,
-            created=plan.created,
-            model=plan.model,
-            system_fingerprint=ctx.settings.system_fingerprint,
-            choices=choices,
-            usage=usage,
-        )
-        return event(payload, exclude=exclude)
-
-    for i in range(len(parsers)):
-        yield chunk([ChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
-    try:
-        while not gen.finished:
-            updates = await gen.next(ctx.settings.keep_alive_s)
-            if updates is None:
-                yield KEEP_ALIVE
-                continue
-            for u in updates:
-                parser = parsers[u.index]
-                piece = parser.feed(u.output)
-                if not piece.empty:
-                    logprobs = piece.logprobs() if plan.logprobs else None
-                    delta = piece.delta(plan.thinking)
-                    yield chunk([ChunkChoice(index=u.index, delta=delta, logprobs=logprobs)])
-                if u.output.finished:
-                    finish = parser.finish_reason
-                    yield chunk(
-                        [ChunkChoice(index=u.index, delta=ChatDelta(), finish_reason=finish)]
-                    )
-    except APIError as exc:
-        yield event(exc.body())
-        yield DONE
-        return
-    except Exception:  # a bug: the status line is sent, so end the stream with the error
-        logger.exception("stream %s failed", plan.id)
-        yield event(server_error().body())
-        yield DONE
-        return
-    if include_usage:
-        yield chunk([], usage=gen.usage(sum(p.reasoning_tokens for p in parsers)))
-    yield DONE

@@ -10,10 +10,9 @@ depth), as is every prompt token with vLLM's ``prompt_logprobs``.
 
 from __future__ import annotations
 
-import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from fastapi import Request as HttpRequest
@@ -22,17 +21,9 @@ from fastapi.responses import Response
 from engine.api.request import CompletionOutput, Request, TokenLogprob
 from server.chat.chat_encoding import encode_completion, encode_fim
 from server.http.auth import tenant_salt
-from server.http.errors import APIError, invalid_request, server_error
-from server.http.sse import DONE, KEEP_ALIVE, EventStreamResponse, event
-from server.openai.generation import (
-    ChoiceUpdate,
-    ClientGone,
-    EngineCall,
-    Generation,
-    ServingContext,
-    routed_of,
-    run_to_end,
-)
+from server.http.errors import invalid_request
+from server.http.sse import event
+from server.openai.generation import ChoiceUpdate, EngineCall, Generation, ServingContext
 from server.openai.logprobs import (
     MIN_LOGPROB,
     clamp_logprob,
@@ -53,9 +44,7 @@ from server.openai.protocol import (
 )
 from server.openai.protocol import Usage as ApiUsage
 from server.openai.sampling import check_fan_out, logit_bias, sampling_params
-from server.openai.serving_chat import CLIENT_CLOSED
-
-logger = logging.getLogger(__name__)
+from server.openai.serving_base import ResponseBuilder, serve
 
 
 @dataclass(slots=True)
@@ -87,7 +76,7 @@ async def create_completion(
     """``fim``: the ``/beta/completions`` path (always fill-in-the-middle)."""
     route = resolve_model(body.model, ctx.settings.served_model_name)
     check_fan_out(ctx, body.n, len(body.prompts()))
-    logit_bias(body, ctx.engine.vocab_size)  # cheap checks before tokenising
+    bias = logit_bias(body, ctx.engine.vocab_size)  # cheap checks before tokenising
     # Tokenising happens off the event loop (ServingContext.offload).
     prompts = await ctx.offload(_prompts, ctx, body, fim)
     request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -107,48 +96,121 @@ async def create_completion(
             n=body.n,
             logprobs=body.logprobs,
             vocab_size=ctx.engine.vocab_size,
+            bias=bias,
             prompt_logprobs=_prompt_scoring(body),
         )
         request = Request(f"{request_id}-{i}", prompt.ids, params, cache_salt=salt)
         calls.append(EngineCall(request, first_index=i * body.n, prompt_group=i))
-    gen = Generation(ctx, calls, prompt_param="prompt", routed=routed_of(ctx, http_request.headers))
-    choices = [_start_choice(ctx, prompts[i // body.n], body) for i in range(len(calls) * body.n)]
-    created = int(time.time())
-
-    if body.stream:
-        events = _events(ctx, body, gen, choices, prompts, request_id, created, route.name)
-        return EventStreamResponse(events, on_close=gen.close)
-    try:
-        await run_to_end(
-            gen,
-            lambda u: _apply(ctx, choices[u.index], u.output),
-            http_request.is_disconnected,
-            ctx.settings.disconnect_poll_s,
-        )
-    except ClientGone:
-        return Response(status_code=CLIENT_CLOSED)
-    finally:
-        await gen.close()
-    for i, c in enumerate(choices):
-        _score_prompt(ctx, body, c, prompts[i // body.n], gen.prompt_scores.get(i // body.n))
-    completion = Completion(
-        id=request_id,
-        created=created,
-        model=route.name,
-        system_fingerprint=ctx.settings.system_fingerprint,
-        choices=[
-            CompletionChoice(
-                index=i,
-                text=c.text,
-                logprobs=c.logprobs,
-                finish_reason=c.finish_reason or "stop",
-                prompt_logprobs=c.prompt_logprobs,
-            )
-            for i, c in enumerate(choices)
-        ],
-        usage=gen.usage(),
+    builder = CompletionResponse(ctx, body, prompts, request_id, route.name)
+    return await serve(
+        ctx,
+        calls,
+        builder,
+        stream=body.stream,
+        http_request=http_request,
+        prompt_param="prompt",
+        log_id=request_id,
     )
-    return Response(completion.model_dump_json(), media_type="application/json")
+
+
+class CompletionResponse(ResponseBuilder):
+    """The choices of a completions request as SSE chunks (an echo per choice, text
+    deltas, a finish chunk per choice, [usage]) or as one ``Completion``."""
+
+    def __init__(
+        self,
+        ctx: ServingContext,
+        body: CompletionRequest,
+        prompts: list[_Prompt],
+        request_id: str,
+        model: str,
+    ) -> None:
+        self._ctx = ctx
+        self._body = body
+        self._prompts = prompts
+        self._id = request_id
+        self._model = model
+        self._created = int(time.time())
+        self._choices = [
+            _start_choice(ctx, prompts[i // body.n], body) for i in range(len(prompts) * body.n)
+        ]
+        self._exclude = None if body.include_usage else {"usage"}
+        # The prompt is the first text of each choice; when it is scored, it waits for
+        # the scores (they come with the first tokens, after the prefill).
+        self._echo_now = body.echo and _prompt_scoring(body) is None
+        self._echo_pending = not self._echo_now and (body.echo or body.prompt_logprobs is not None)
+        self._echoed: set[int] = set()
+
+    def _chunk(self, items: list[CompletionChoice], usage: ApiUsage | None = None) -> bytes:
+        payload = CompletionChunk(
+            id=self._id,
+            created=self._created,
+            model=self._model,
+            system_fingerprint=self._ctx.settings.system_fingerprint,
+            choices=items,
+            usage=usage,
+        )
+        return event(payload, exclude=self._exclude)
+
+    def opening(self) -> Iterator[bytes]:
+        if self._echo_now:
+            for i, c in enumerate(self._choices):
+                yield self._chunk([CompletionChoice(index=i, text=c.text, logprobs=c.logprobs)])
+
+    def stream(self, gen: Generation, update: ChoiceUpdate) -> Iterator[bytes]:
+        n = self._body.n
+        k = update.index // n
+        if self._echo_pending and k not in self._echoed:  # its prompt's scores came with it
+            self._echoed.add(k)
+            for i in range(k * n, (k + 1) * n):
+                c = self._choices[i]
+                self._score(c, k, gen)
+                echo = CompletionChoice(
+                    index=i, text=c.text, logprobs=c.logprobs, prompt_logprobs=c.prompt_logprobs
+                )
+                yield self._chunk([echo])
+        choice = self._choices[update.index]
+        out = update.output
+        logprobs = _apply(self._ctx, choice, out)
+        if out.text or (logprobs is not None and logprobs.tokens):
+            yield self._chunk(
+                [CompletionChoice(index=update.index, text=out.text, logprobs=logprobs)]
+            )
+        if out.finish_reason is not None:
+            done = CompletionChoice(index=update.index, text="", finish_reason=choice.finish_reason)
+            yield self._chunk([done])
+
+    def collect(self, update: ChoiceUpdate) -> None:
+        _apply(self._ctx, self._choices[update.index], update.output)
+
+    def closing(self, gen: Generation) -> Iterator[bytes]:
+        if self._body.include_usage:
+            yield self._chunk([], usage=gen.usage())
+
+    def body(self, gen: Generation) -> Completion:
+        for i, c in enumerate(self._choices):
+            self._score(c, i // self._body.n, gen)
+        return Completion(
+            id=self._id,
+            created=self._created,
+            model=self._model,
+            system_fingerprint=self._ctx.settings.system_fingerprint,
+            choices=[
+                CompletionChoice(
+                    index=i,
+                    text=c.text,
+                    logprobs=c.logprobs,
+                    finish_reason=c.finish_reason or "stop",
+                    prompt_logprobs=c.prompt_logprobs,
+                )
+                for i, c in enumerate(self._choices)
+            ],
+            usage=gen.usage(),
+        )
+
+    def _score(self, choice: _Choice, prompt: int, gen: Generation) -> None:
+        scores = gen.prompt_scores.get(prompt)
+        _score_prompt(self._ctx, self._body, choice, self._prompts[prompt], scores)
 
 
 def completion_prompt_ids(
@@ -251,79 +313,3 @@ def _apply(
     if out.finish_reason is not None:
         choice.finish_reason = "length" if out.finish_reason == "length" else "stop"
     return delta_logprobs
-
-
-async def _events(
-    ctx: ServingContext,
-    body: CompletionRequest,
-    gen: Generation,
-    choices: list[_Choice],
-    prompts: list[_Prompt],
-    request_id: str,
-    created: int,
-    model: str,
-) -> AsyncIterator[bytes]:
-    exclude = None if body.include_usage else {"usage"}
-
-    def chunk(items: list[CompletionChoice], usage: ApiUsage | None = None) -> bytes:
-        payload = CompletionChunk(
-            id=request_id,
-            created=created,
-            model=model,
-            system_fingerprint=ctx.settings.system_fingerprint,
-            choices=items,
-            usage=usage,
-        )
-        return event(payload, exclude=exclude)
-
-    # The prompt is the first text of each choice; when it is scored, it waits for the
-    # scores (they come with the first tokens, after the prefill).
-    echo_pending = body.echo or body.prompt_logprobs is not None
-    echoed: set[int] = set()
-    if body.echo and _prompt_scoring(body) is None:
-        echo_pending = False
-        for i, c in enumerate(choices):
-            yield chunk([CompletionChoice(index=i, text=c.text, logprobs=c.logprobs)])
-    try:
-        while not gen.finished:
-            updates: list[ChoiceUpdate] | None = await gen.next(ctx.settings.keep_alive_s)
-            if updates is None:
-                yield KEEP_ALIVE
-                continue
-            for u in updates:
-                k = u.index // body.n
-                if echo_pending and k not in echoed:  # its prompt's scores came with it
-                    echoed.add(k)
-                    for i in range(k * body.n, (k + 1) * body.n):
-                        c = choices[i]
-                        _score_prompt(ctx, body, c, prompts[k], gen.prompt_scores.get(k))
-                        echo = CompletionChoice(
-                            index=i,
-                            text=c.text,
-                            logprobs=c.logprobs,
-                            prompt_logprobs=c.prompt_logprobs,
-                        )
-                        yield chunk([echo])
-                choice = choices[u.index]
-                logprobs = _apply(ctx, choice, u.output)
-                if u.output.text or (logprobs is not None and logprobs.tokens):
-                    yield chunk(
-                        [CompletionChoice(index=u.index, text=u.output.text, logprobs=logprobs)]
-                    )
-                if u.output.finish_reason is not None:
-                    done = CompletionChoice(
-                        index=u.index, text="", finish_reason=choice.finish_reason
-                    )
-                    yield chunk([done])
-    except APIError as exc:
-        yield event(exc.body())
-        yield DONE
-        return
-    except Exception:  # a bug: the status line is sent, so end the stream with the error
-        logger.exception("stream %s failed", request_id)
-        yield event(server_error().body())
-        yield DONE
-        return
-    if body.include_usage:
-        yield chunk([], usage=gen.usage())
-    yield DONE

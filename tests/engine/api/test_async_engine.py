@@ -9,6 +9,7 @@ import pytest
 from engine_helpers import greedy, prompt, reference_engine
 
 from engine.api.async_engine import AsyncEngine, EngineDeadError
+from engine.api.errors import RequestError
 from engine.api.request import Request
 from engine.config import EngineConfig
 
@@ -125,8 +126,9 @@ def test_cancelled_consumer_and_explicit_abort(async_engine):
 
 def test_invalid_and_duplicate_requests_raise(async_engine):
     async def main():
-        with pytest.raises(ValueError, match="empty"):
+        with pytest.raises(RequestError, match="empty") as empty:
             await collect(async_engine, Request("e", [], greedy(1)))
+        assert empty.value.param == "prompt_token_ids"
         stream = async_engine.generate(Request("d", prompt(12, 1), greedy(100)))
         await stream.__anext__()
         with pytest.raises(ValueError, match="already in flight"):

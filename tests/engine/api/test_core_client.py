@@ -14,6 +14,7 @@ import pytest
 
 from engine.api.async_engine import AsyncEngine, EngineDeadError
 from engine.api.core_client import EngineCoreClient
+from engine.api.errors import RequestError
 from engine.api.request import Request
 from engine.api.sampling_params import SamplingParams
 from engine.config import EngineConfig
@@ -126,14 +127,19 @@ def test_abort_and_closed_stream_free_pages_in_the_core(core):
     asyncio.run(main())
 
 
-def test_bad_requests_are_refused_in_the_api_process(core):
+def test_bad_requests_are_refused_with_the_field_named(core):
     async def main():
-        with pytest.raises(ValueError, match="empty"):
+        with pytest.raises(RequestError, match="empty") as empty:
             await run_all(core, [Request("e", [], params(1))])
-        with pytest.raises(ValueError, match="max_model_len"):
+        assert empty.value.param == "prompt_token_ids"  # across the process boundary
+        with pytest.raises(RequestError, match="max_model_len"):
             await run_all(core, [Request("l", [5] * 300, params(1))])
-        with pytest.raises(ValueError, match=r"SamplingParams\.top_p"):
+        with pytest.raises(RequestError, match=r"^top_p: ") as top_p:
             await run_all(core, [Request("p", [5, 6], SamplingParams(top_p=0.0))])
+        assert top_p.value.param == "top_p"
+        # The same limits, in the API process, without a round trip (what a server calls).
+        with pytest.raises(RequestError, match="max_model_len"):
+            core.validate(Request("l", [5] * 300, params(1)))
         stream = core.generate(Request("d", [0, 5, 6], params(10_000, ignore_eos=True)))
         await asyncio.wait_for(stream.__anext__(), TIMEOUT_S)
         with pytest.raises(ValueError, match="already in flight"):

@@ -26,6 +26,7 @@ from engine_helpers import (
     token_stream,
 )
 
+from engine.api.errors import RequestError
 from engine.api.request import Request
 from engine.api.sampling_params import SamplingParams
 from engine.loader.tokenizer import load_tokenizer
@@ -351,7 +352,7 @@ def test_max_model_len_ends_with_length():
     engine, _ = fake_engine(max_model_len=12)
     engine.add_request(Request("a", list(range(3, 13)), greedy(100)))  # 10 tokens
     assert finish_of(run_to_completion(engine)["a"])[1:] == ("length", None)
-    with pytest.raises(ValueError, match="max_model_len"):
+    with pytest.raises(RequestError, match="max_model_len"):
         engine.validate(Request("b", list(range(3, 15)), greedy(1)))
 
 

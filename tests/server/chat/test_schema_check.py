@@ -9,7 +9,7 @@ import pytest
 import torch
 import xgrammar as xgr
 
-from engine.api.request import RequestError
+from engine.api.errors import RequestError
 from engine.api.sampling_params import SamplingParams
 from engine.loader.tokenizer import load_tokenizer
 from engine.sample.sampler import apply_token_masks

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from engine.api.errors import RequestError
 from engine.api.request import CompletionOutput, Request, RequestMetrics, RequestOutput, Usage
 from server.http.errors import APIError
 from server.metrics.metrics import ServerMetrics
@@ -36,9 +37,9 @@ class FakeEngine:
 
     def validate(self, request: Request) -> None:
         if not request.prompt_token_ids:
-            raise ValueError("prompt_token_ids: the prompt is empty")
+            raise RequestError("prompt_token_ids", "the prompt is empty")
         if request.sampling_params.top_p > 1:
-            raise ValueError("SamplingParams.top_p: in (0, 1]")
+            raise RequestError("top_p", "in (0, 1]")
 
     async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
         n, done = request.sampling_params.n, False
@@ -184,10 +185,15 @@ def test_admission_limit_is_a_429() -> None:
 
 
 @pytest.mark.parametrize(
-    ("call", "status", "param"),
-    [(lambda: _call("a", 0, 0, prompt=0), 400, "prompt"), (None, 422, "top_p")],
+    ("call", "status", "param", "message"),
+    [
+        (lambda: _call("a", 0, 0, prompt=0), 400, "prompt", "prompt: the prompt is empty"),
+        (None, 422, "top_p", "top_p: in (0, 1]"),
+    ],
 )
-def test_engine_validation_errors_name_the_field(call, status: int, param: str) -> None:
+def test_engine_validation_errors_name_the_field(
+    call, status: int, param: str, message: str
+) -> None:
     async def main() -> None:
         bad = call() if call else _call("a", 0, 0)
         if call is None:
@@ -195,7 +201,7 @@ def test_engine_validation_errors_name_the_field(call, status: int, param: str) 
         ctx = _ctx(FakeEngine())
         with pytest.raises(APIError) as err:
             Generation(ctx, [bad], prompt_param="prompt")
-        assert (err.value.status, err.value.param) == (status, param)
+        assert (err.value.status, err.value.param, err.value.message) == (status, param, message)
         assert ctx.admission.active == 0  # refused before taking a place
 
     asyncio.run(main())
