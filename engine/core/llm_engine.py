@@ -37,7 +37,8 @@ from engine.model.deepseek_v41.model import DeepseekV41
 from engine.model.kv.dense_backend import KVPrecision
 from engine.sample.sampler import Sampler, SeqHistory, make_generator
 from kvstore.device.layout import kv_layout
-from kvstore.manager import KVCacheManager
+from kvstore.local import open_local_kv
+from kvstore.manager import KVManager
 from kvstore.stats import KVStats
 
 logger = logging.getLogger(__name__)
@@ -97,13 +98,14 @@ class _RequestState:
 
 
 class LLMEngine:
-    """Continuous batching over one model runner and one KV cache manager."""
+    """Continuous batching over one model runner and one KV manager (bookkeeping only:
+    the runner owns the KV bytes)."""
 
     def __init__(
         self,
         config: EngineConfig,
         runner: ModelRunner,
-        kv: KVCacheManager,
+        kv: KVManager,
         *,
         model_config: ModelConfig,
         vocab_size: int | None = None,
@@ -151,7 +153,7 @@ class LLMEngine:
         model_id: str = "",
         eos_token_id: int | None = None,
     ) -> LLMEngine:
-        """KV cache manager and runner for ``model`` as ``config`` asks."""
+        """KV manager and runner for ``model`` as ``config`` asks; the runner gets the pages."""
         mc = model.config
         layout = kv_layout(
             mc.kv_source_layer_ids,
@@ -160,14 +162,14 @@ class LLMEngine:
             config.kv_dtype,
             model_id,
         )
-        kv = KVCacheManager(
+        kv, pages = open_local_kv(
             layout, config.kv_cache_bytes, config.device, config.kv_dir, config.kv_dir_bytes
         )
         runner: ModelRunner
         if config.runner == "reference":
             from engine.runner.reference_runner import ReferenceRunner
 
-            runner = ReferenceRunner(model, kv, KVPrecision(global_kv=config.kv_dtype))
+            runner = ReferenceRunner(model, pages, KVPrecision(global_kv=config.kv_dtype))
         else:
             from engine.runner.cuda_graphs import decode_graphs_for
             from engine.runner.model_runner import PagedModelRunner
@@ -179,7 +181,7 @@ class LLMEngine:
                 enforce_eager=config.enforce_eager,
                 sizes=config.cuda_graph_sizes,
             )
-            runner = PagedModelRunner(model, kv, config.max_num_seqs, graphs)
+            runner = PagedModelRunner(model, pages, config.max_num_seqs, graphs)
         return cls(
             config,
             runner,

@@ -94,7 +94,7 @@ def build_parallel_engine(config: EngineConfig, model: str | Path) -> LLMEngine:
     return LLMEngine(
         config,
         runner,
-        kv,  # type: ignore[arg-type]
+        kv,
         model_config=mc,
         tokenizer=tokenizer,
     )
