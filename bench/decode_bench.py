@@ -93,14 +93,14 @@ def _context_step(model, context: int, steps: int) -> tuple[float, float]:
     from kernels.kv_cache_ops import store_kv_entries
 
     config = model.config
-    kv = _manager(config, context + steps + 1)
-    runner = PagedModelRunner(model, kv, max_num_seqs=1)
+    kv, pool = _manager(config, context + steps + 1)
+    runner = PagedModelRunner(model, pool, max_num_seqs=1)
     tokens = torch.randint(3, 120000, (context,), generator=torch.Generator().manual_seed(2))
     seq = _sequence(kv, config, tokens.tolist(), config.sliding_window, ced=True)
     table = torch.tensor(seq.block_table)
     gen = torch.Generator().manual_seed(3)
     for layer in config.kv_source_layer_ids:
-        pages = kv.page_tensors(layer)
+        pages = pool.source(layer)
         n = context // config.compress_ratios[layer]
         for e0 in range(0, n, 4096):
             entries = torch.arange(e0, min(e0 + 4096, n))

@@ -40,6 +40,7 @@ from engine.model.semantics.replay import ReplayPlan
 from engine.runner.model_runner import PagedModelRunner
 from kernels.kv_cache_ops import store_kv_entries
 from kvstore.device.layout import kv_layout
+from kvstore.local import LocalKV, open_local_kv
 from kvstore.manager import KVCacheManager
 
 PAGE = 64
@@ -55,9 +56,9 @@ def tiny_model(config: ModelConfig | None = None, seed: int = 0) -> DeepseekV41:
     return model.eval()
 
 
-def _manager(config: ModelConfig, tokens: int) -> KVCacheManager:
+def _manager(config: ModelConfig, tokens: int) -> LocalKV:
     layout = kv_layout(config.kv_source_layer_ids, config.compress_ratios, PAGE)
-    return KVCacheManager(layout, layout.page_bytes * (tokens // PAGE + 8))
+    return open_local_kv(layout, layout.page_bytes * (tokens // PAGE + 8))
 
 
 def _sequence(
@@ -84,8 +85,8 @@ def _median_pair(
 # ---------------------------------------------------------------- P1
 def prefill_seconds(model: DeepseekV41, n_tokens: int, ced: bool, chunk: int) -> float:
     config = model.config
-    kv = _manager(config, n_tokens)
-    runner = PagedModelRunner(model, kv, max_num_seqs=1)
+    kv, pool = _manager(config, n_tokens)
+    runner = PagedModelRunner(model, pool, max_num_seqs=1)
     tokens = torch.randint(3, 120000, (n_tokens,), generator=torch.Generator().manual_seed(1))
     seq = _sequence(kv, config, tokens.tolist(), config.sliding_window, ced)
     start = time.perf_counter()
@@ -102,14 +103,14 @@ def synthetic_context(
     """One sequence at ``context`` tokens whose global KV is random entries written
     straight into its pages (no prefill), with room for ``extra`` more tokens."""
     config = model.config
-    kv = _manager(config, context + extra)
-    runner = PagedModelRunner(model, kv, max_num_seqs=1)
+    kv, pool = _manager(config, context + extra)
+    runner = PagedModelRunner(model, pool, max_num_seqs=1)
     tokens = torch.randint(3, 120000, (context,), generator=torch.Generator().manual_seed(2))
     seq = _sequence(kv, config, tokens.tolist(), config.sliding_window, ced=True)
     table = torch.tensor(seq.block_table)
     gen = torch.Generator().manual_seed(3)
     for layer in config.kv_source_layer_ids:
-        pages = kv.page_tensors(layer)
+        pages = pool.source(layer)
         n = context // config.compress_ratios[layer]
         for e0 in range(0, n, 4096):
             entries = torch.arange(e0, min(e0 + 4096, n))

@@ -1,7 +1,7 @@
 """Restore a prefix from the SSD tier and replay vs recomputing it.
 
 (a) restore: the tiny layout's pages for an 8K-token prefix are written through
-    the KVCacheManager, fsynced, and dropped from the OS page cache
+    the KV manager, fsynced, and dropped from the OS page cache
     (POSIX_FADV_DONTNEED); a fresh manager then rebuilds its index and
     ``plan_restore`` loads every page into the device pool. Median of --runs.
     Then the exact replay the restore implies on the tiny model: each encoder
@@ -36,7 +36,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from kvstore import KVCacheManager, PersistentStore, chain_hashes, kv_layout  # noqa: E402
+from kvstore import PersistentStore, chain_hashes, kv_layout, open_local_kv  # noqa: E402
 
 TINY = dict(kv_source_layer_ids=[2, 4], compress_ratios=[0, 0, 2, 2, 1, 1, 1, 1, 0])
 OFFICIAL = dict(
@@ -79,14 +79,14 @@ def bench_restore(tokens: list[int], runs: int, kv_dir: Path) -> dict:
     layout = kv_layout(**TINY)
     pool_bytes = (len(tokens) // layout.page_tokens + 8) * layout.page_bytes
     gen = torch.Generator().manual_seed(0)
-    with KVCacheManager(layout, pool_bytes, kv_dir=kv_dir, kv_dir_bytes=10**11) as kv:
+    with open_local_kv(layout, pool_bytes, kv_dir=kv_dir, kv_dir_bytes=10**11) as (kv, pool):
         kv.plan_restore("writer", tokens, SALT)
         table = kv.allocate("writer", len(tokens))
         # Random bytes: the tier stores payloads raw, so their content does not matter.
-        kv.memory.pages[table] = torch.randint(
+        pool.pages[table] = torch.randint(
             0, 256, (len(table), layout.page_bytes), dtype=torch.uint8, generator=gen
         )
-        expect = kv.memory.pages[table].clone()
+        expect = pool.pages[table].clone()
         kv.commit_full_pages("writer", tokens, SALT)
     n_pages = len(chain_hashes(tokens, SALT, layout.page_tokens))
     seconds, scans, resident = [], [], []
@@ -94,12 +94,12 @@ def bench_restore(tokens: list[int], runs: int, kv_dir: Path) -> dict:
         _drop_page_cache(kv_dir)
         resident.append(_resident_bytes(kv_dir))
         t0 = time.perf_counter()
-        kv = KVCacheManager(layout, pool_bytes, kv_dir=kv_dir, kv_dir_bytes=10**11)
+        kv, pool = open_local_kv(layout, pool_bytes, kv_dir=kv_dir, kv_dir_bytes=10**11)
         t1 = time.perf_counter()
         plan = kv.plan_restore("reader", tokens, SALT)
         t2 = time.perf_counter()
         assert plan.ssd_hit_tokens == (len(tokens) - 1) // layout.page_tokens * layout.page_tokens
-        assert torch.equal(kv.memory.pages[plan.page_ids], expect[: len(plan.page_ids)])
+        assert torch.equal(pool.pages[plan.page_ids], expect[: len(plan.page_ids)])
         kv.close()
         scans.append(t1 - t0)
         seconds.append(t2 - t1)
@@ -140,8 +140,8 @@ def bench_model(tokens: list[int], hit_tokens: int, recompute_runs: int) -> dict
     torch.set_grad_enabled(False)
     n, w = len(tokens), cfg.sliding_window
     layout = kv_layout(**TINY)
-    kv = KVCacheManager(layout, (2 * n // layout.page_tokens + 8) * layout.page_bytes)
-    runner = PagedModelRunner(model, kv, max_num_seqs=2)
+    kv, pool = open_local_kv(layout, (2 * n // layout.page_tokens + 8) * layout.page_bytes)
+    runner = PagedModelRunner(model, pool, max_num_seqs=2)
     seq_ids = itertools.count()
 
     def prefill(rid: str, salt: str, chunk: int = 512) -> float:

@@ -1,4 +1,14 @@
-"""KVCacheManager: the engine's one entry point to every KV byte (docs/design/architecture.md §2.3).
+"""KV bookkeeping: which device pages a request holds, what is cached, what a restore brings.
+
+No byte of KV lives here (docs/design/kvstore.md, "Bookkeeping and bytes").
+``KVManager`` is the interface the scheduler and ``LLMEngine`` see; it is
+implemented once for one rank (``KVCacheManager``, below) and once for the
+data-parallel ranks of parallel serving (``engine/parallel/dp_kv.py``). The
+page bytes belong to whoever runs the model: a ``DevicePool`` owned by the
+runner in one process (``kvstore/device/device_pool.py``), the workers'
+pools under parallel serving. The manager reaches them only through
+``PageBytes``: "load these SSD page files into these device pages", "write
+these committed device pages behind to SSD".
 
 Lifecycle of a request, as the engine drives it:
 
@@ -16,14 +26,11 @@ partial page is ever written by the engine.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-
-import torch
+from typing import Protocol
 
 from kvstore.device.block_pool import BlockPool
-from kvstore.device.device_pool import DevicePool, SourcePages, pages_for_bytes
 from kvstore.device.layout import KVLayout
 from kvstore.device.page_hash import ROOT_HASH, Salt, chain_hashes, salt_bytes
 from kvstore.ssd.persistent import PersistentStore
@@ -53,6 +60,87 @@ class RestorePlan:
         return self.num_tokens - self.hit_tokens
 
 
+class PageBytes(Protocol):
+    """The owner of a pool's page bytes, as the bookkeeping needs it: SSD in and out.
+
+    Chains are ``(page hash, device page)`` pairs: the hash names the SSD page
+    file, the page the row of the owner's pool.
+    """
+
+    def load(self, pages: list[tuple[bytes, int]]) -> list[bool]:
+        """Read each page's file into its device page before the next forward reads it;
+        True where the file verified (a False page holds no usable bytes)."""
+        ...
+
+    def write_behind(self, chain: list[tuple[bytes, int]]) -> None:
+        """Queue committed pages (consecutive, head first) for the SSD tier."""
+        ...
+
+
+class KVManager(Protocol):
+    """The bytes-free KV interface of the scheduler and the engine loop.
+
+    ``place`` and ``pool_of`` name the pool a sequence's pages live in: always
+    0 with one rank, a DP rank under data-parallel attention (preemption must
+    pick a victim in the same pool).
+    """
+
+    @property
+    def page_tokens(self) -> int: ...
+
+    @property
+    def num_pages(self) -> int:
+        """Pages one sequence can ever hold."""
+        ...
+
+    def place(
+        self, request_id: Hashable, token_ids: Sequence[int], salt: Salt, need_logits: bool = True
+    ) -> int:
+        """Choose the pool of a sequence about to be admitted (before ``can_allocate``)."""
+        ...
+
+    def pool_of(self, request_id: Hashable) -> int: ...
+
+    def can_allocate(self, request_id: Hashable, n_tokens: int) -> bool: ...
+
+    def plan_restore(
+        self,
+        request_id: Hashable,
+        token_ids: Sequence[int],
+        salt: Salt,
+        *,
+        need_logits: bool = True,
+    ) -> RestorePlan:
+        """Open the request on its longest cached prefix (device, then SSD pages)."""
+        ...
+
+    def allocate(self, request_id: Hashable, n_tokens: int) -> list[int]:
+        """Grow the block table to ``n_tokens``; raises ``OutOfPages``."""
+        ...
+
+    def block_table(self, request_id: Hashable) -> list[int]: ...
+
+    def commit_full_pages(self, request_id: Hashable, token_ids: Sequence[int], salt: Salt) -> int:
+        """Cache the newly full pages whose KV is written; write them behind to SSD."""
+        ...
+
+    def publish(self, request_id: Hashable) -> list[bytes]:
+        """Write every committed page behind (a prefill worker's hand-over); its chain."""
+        ...
+
+    def wait_published(self, hashes: Sequence[bytes], timeout: float | None = None) -> int: ...
+
+    def free(self, request_id: Hashable) -> None:
+        """Close the request; its committed pages stay cached."""
+        ...
+
+    def stats(self) -> KVStats: ...
+
+    def flush(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
 @dataclass(slots=True)
 class _Request:
     salt: bytes | None
@@ -71,41 +159,59 @@ class _Counters:
 
 
 class KVCacheManager:
-    """Device pool, prefix cache, persistent tier and restore planning."""
+    """``KVManager`` of one pool: block pool, prefix cache, SSD index and restore planning.
+
+    ``store`` is the SSD tier (its index says which page files exist);
+    ``pages`` moves page bytes between that tier and the device pool, and is
+    required with a store. The manager itself holds block ids and hashes only.
+    """
 
     def __init__(
         self,
         layout: KVLayout,
-        cache_bytes: int,
-        device: str = "cpu",
-        kv_dir: str | os.PathLike[str] | None = None,
-        kv_dir_bytes: int | None = None,
-        write_workers: int = 2,
-        read_workers: int = 4,
-        max_pending_writes: int = 1024,
+        num_pages: int,
+        *,
+        store: PersistentStore | None = None,
+        pages: PageBytes | None = None,
     ) -> None:
-        num_pages = pages_for_bytes(layout, cache_bytes)
         if num_pages < 1:
-            raise ValueError(
-                f"kv cache of {cache_bytes} bytes holds no page of {layout.page_bytes} bytes"
-            )
+            raise ValueError(f"a KV pool needs at least one page, not {num_pages}")
+        assert store is None or pages is not None, "an SSD tier needs the owner of the bytes"
         self.layout = layout
         self.page_tokens = layout.page_tokens
         self.pool = BlockPool(num_pages)
-        self.memory = DevicePool(layout, num_pages, device)
-        self.store = (
-            PersistentStore(
-                kv_dir, layout, kv_dir_bytes, write_workers, read_workers, max_pending_writes
-            )
-            if kv_dir is not None
-            else None
-        )
+        self.store = store
+        self.pages = pages
         self._requests: dict[Hashable, _Request] = {}
         self._counters = _Counters()
 
     @property
     def num_pages(self) -> int:
         return self.pool.num_pages
+
+    # ------------------------------------------------------------ queries
+    def holds(self, request_id: Hashable) -> bool:
+        """Whether ``request_id`` is open here (planned or allocated, not yet freed)."""
+        return request_id in self._requests
+
+    def open_requests(self) -> int:
+        return len(self._requests)
+
+    def cached_prefix_pages(self, hashes: Sequence[bytes]) -> int:
+        """Leading pages of the chain ``hashes`` resident on the device (no pinning)."""
+        for i, h in enumerate(hashes):
+            if self.pool.lookup(h) is None:
+                return i
+        return len(hashes)
+
+    # One pool: every sequence's pages are in pool 0.
+    def place(
+        self, request_id: Hashable, token_ids: Sequence[int], salt: Salt, need_logits: bool = True
+    ) -> int:
+        return 0
+
+    def pool_of(self, request_id: Hashable) -> int:
+        return 0
 
     # ------------------------------------------------------------ restore
     def plan_restore(
@@ -174,33 +280,26 @@ class KVCacheManager:
     def _load_from_ssd(
         self, chain_idx: list[int], hashes: list[bytes], page_ids: list[int], keep: int
     ) -> int:
-        """Load chain pages ``chain_idx`` into new device pages; returns the first failure."""
+        """Load chain pages ``chain_idx`` into new device pages; returns the first failure.
+
+        The manager picks the device pages; the owner of the bytes reads the
+        files and copies them in. Reading is part of planning because a file
+        that fails verification ends the prefix.
+        """
         if not chain_idx:
             return keep
-        assert self.store is not None
+        assert self.pages is not None
         pages = self.pool.allocate(len(chain_idx))
-        payloads = self.store.get_many([hashes[i] for i in chain_idx])
-        loaded: list[tuple[int, memoryview]] = []
-        for i, page, payload in zip(chain_idx, pages, payloads, strict=True):
+        verified = self.pages.load([(hashes[i], p) for i, p in zip(chain_idx, pages, strict=True)])
+        for i, page, ok in zip(chain_idx, pages, verified, strict=True):
             page_ids[i] = page
-            if payload is None:
-                keep = min(keep, i)
-            else:
-                loaded.append((page, payload))
-        if loaded:
-            self._write_loaded(loaded)
-        # Register after the bytes are in place: a verified page is a valid cached
-        # page even past a cut, so it stays findable after release.
-        for i, page, payload in zip(chain_idx, pages, payloads, strict=True):
-            if payload is not None:
+            if ok:
+                # A verified page is a valid cached page even past a cut, so it stays
+                # findable after release.
                 self.pool.register(page, hashes[i])
+            else:
+                keep = min(keep, i)
         return keep
-
-    def _write_loaded(self, loaded: list[tuple[int, memoryview]]) -> None:
-        """Copy the payloads read from SSD into their device pages ``(page, bytes)``."""
-        rows = torch.stack([torch.frombuffer(p, dtype=torch.uint8) for _, p in loaded])
-        ids = torch.tensor([page for page, _ in loaded], device=self.memory.device)
-        self.memory.pages.index_copy_(0, ids, rows.to(self.memory.device))
 
     # --------------------------------------------------------- block tables
     def allocate(self, request_id: Hashable, n_tokens: int) -> list[int]:
@@ -242,8 +341,7 @@ class KVCacheManager:
             self.pool.register(req.block_table[i], h)
         req.hashes.extend(new)
         if self.store is not None and new:
-            rows = [self.memory.pages[p] for p in req.block_table[start : start + len(new)]]
-            self.store.put_chain(list(zip(new, rows, strict=True)))
+            self._write_behind(req, start, start + len(new))
         return len(new)
 
     def publish(self, request_id: Hashable) -> list[bytes]:
@@ -255,9 +353,13 @@ class KVCacheManager:
         """
         req = self._requests[request_id]
         if self.store is not None and req.hashes:
-            rows = [self.memory.pages[p] for p in req.block_table[: len(req.hashes)]]
-            self.store.put_chain(list(zip(req.hashes, rows, strict=True)))
+            self._write_behind(req, 0, len(req.hashes))
         return list(req.hashes)
+
+    def _write_behind(self, req: _Request, start: int, end: int) -> None:
+        assert self.pages is not None
+        chain = zip(req.hashes[start:end], req.block_table[start:end], strict=True)
+        self.pages.write_behind(list(chain))
 
     def wait_published(self, hashes: Sequence[bytes], timeout: float | None = None) -> int:
         """Pages of the chain ``hashes`` durable in the SSD tier, counted from the head,
@@ -272,11 +374,7 @@ class KVCacheManager:
         req = self._requests.pop(request_id)
         self.pool.release(list(reversed(req.block_table)))
 
-    # ---------------------------------------------------------------- data
-    def page_tensors(self, source_layer: int) -> SourcePages:
-        """The device views the engine's kernels read and write for one kv source."""
-        return self.memory.source(source_layer)
-
+    # ---------------------------------------------------------------- report
     def stats(self) -> KVStats:
         c = self._counters
         pool = self.pool
@@ -287,7 +385,8 @@ class KVCacheManager:
             device_pages_in_use=pool.num_in_use,
             device_pages_cached=len(pool.lru),
             device_pages_free=len(pool.free_list),
-            device_bytes=self.memory.nbytes,
+            # The pool's bytes: one row of page_bytes per page, wherever it lives.
+            device_bytes=pool.num_pages * self.layout.page_bytes,
             device_evictions=pool.evictions,
             lookups=c.lookups,
             lookup_tokens=c.lookup_tokens,

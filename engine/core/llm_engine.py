@@ -34,7 +34,7 @@ from engine.core.sequence import Sequence, SequenceStatus
 from engine.core.step import ModelRunner, StepBatch
 from engine.model.deepseek_v41.config import ModelConfig
 from engine.sample.sampler import Sampler, SeqHistory, make_generator
-from kvstore.manager import KVCacheManager
+from kvstore.manager import KVManager
 from kvstore.stats import KVStats
 
 logger = logging.getLogger(__name__)
@@ -94,13 +94,14 @@ class _RequestState:
 
 
 class LLMEngine:
-    """Continuous batching over one model runner and one KV cache manager."""
+    """Continuous batching over one model runner and one KV manager (bookkeeping only:
+    the runner owns the KV bytes)."""
 
     def __init__(
         self,
         config: EngineConfig,
         runner: ModelRunner,
-        kv: KVCacheManager,
+        kv: KVManager,
         *,
         model_config: ModelConfig,
         vocab_size: int | None = None,

@@ -32,16 +32,16 @@ from engine.core.step import PrefillChunk, StepBatch
 from engine.model.deepseek_v41.config import ModelConfig
 from engine.model.semantics.replay import ReplayPlan
 from kvstore.device.block_pool import OutOfPages
-from kvstore.manager import KVCacheManager
+from kvstore.manager import KVManager
 
 
 class Scheduler:
-    """Waiting and running queues over one ``KVCacheManager``."""
+    """Waiting and running queues over one ``KVManager`` (block ids only, no bytes)."""
 
     def __init__(
         self,
         config: EngineConfig,
-        kv: KVCacheManager,
+        kv: KVManager,
         model_config: ModelConfig,
         replay_tokens: int,
         release: Callable[[Sequence], None],
@@ -129,9 +129,8 @@ class Scheduler:
         # A prefill holds pages for its whole sequence before it yields a token;
         # admitting without them would only start work that preemption throws away.
         # A waiting sequence holds no pages, so this asks for all of them.
-        place = getattr(self.kv, "place", None)
-        if place is not None:  # DP attention: choose the sequence's rank first (dp_kv.py)
-            place(seq.seq_id, seq.token_ids, seq.salt, not seq.prefill_only)
+        # DP attention chooses the sequence's rank first (dp_kv.py); one pool has one.
+        self.kv.place(seq.seq_id, seq.token_ids, seq.salt, not seq.prefill_only)
         if not self.kv.can_allocate(seq.seq_id, seq.num_tokens):
             return None
         hit = self.kv.plan_restore(
@@ -186,11 +185,8 @@ class Scheduler:
     def _victim(self, seq: Sequence) -> Sequence:
         """The newest running sequence whose pages share ``seq``'s pool (under DP
         attention, preempting another rank's sequence frees nothing for ``seq``)."""
-        pool_of = getattr(self.kv, "pool_of", None)
-        if pool_of is None:
-            return self.running[-1]
-        mine = pool_of(seq.seq_id)
-        return next(v for v in reversed(self.running) if pool_of(v.seq_id) == mine)
+        mine = self.kv.pool_of(seq.seq_id)
+        return next(v for v in reversed(self.running) if self.kv.pool_of(v.seq_id) == mine)
 
     def _preempt(self, seq: Sequence, batch: StepBatch) -> None:
         """Back to waiting; drop pages and runner state, and any work of this step."""

@@ -24,7 +24,7 @@ from engine.model.base import CausalLM
 from engine.model.kv.dense_backend import KVPrecision
 from engine.model.registry import model_spec
 from kvstore.device.layout import kv_layout
-from kvstore.manager import KVCacheManager
+from kvstore.local import open_local_kv
 
 # "tiny": the CPU-sized preset (``tiny()``) of this registered model type.
 TINY_MODEL_TYPE = "deepseek_v41"
@@ -81,7 +81,8 @@ def engine_for_model(
     model_id: str = "",
     eos_token_id: int | None = None,
 ) -> LLMEngine:
-    """The engine over ``model``: its KV cache manager and runner as ``config`` asks."""
+    """The engine over ``model``: its KV bookkeeping and runner as ``config`` asks; the
+    runner owns the device pages."""
     mc = model.config
     layout = kv_layout(
         mc.kv_source_layer_ids,
@@ -90,14 +91,14 @@ def engine_for_model(
         config.kv_dtype,
         model_id,
     )
-    kv = KVCacheManager(
+    kv, pages = open_local_kv(
         layout, config.kv_cache_bytes, config.device, config.kv_dir, config.kv_dir_bytes
     )
     runner: ModelRunner
     if config.runner == "reference":
         from engine.runner.reference_runner import ReferenceRunner
 
-        runner = ReferenceRunner(model, kv, KVPrecision(global_kv=config.kv_dtype))
+        runner = ReferenceRunner(model, pages, KVPrecision(global_kv=config.kv_dtype))
     else:
         from engine.runner.cuda_graphs import decode_graphs_for
         from engine.runner.model_runner import PagedModelRunner
@@ -109,7 +110,7 @@ def engine_for_model(
             enforce_eager=config.enforce_eager,
             sizes=config.cuda_graph_sizes,
         )
-        runner = PagedModelRunner(model, kv, config.max_num_seqs, graphs)
+        runner = PagedModelRunner(model, pages, config.max_num_seqs, graphs)
     return LLMEngine(
         config,
         runner,
@@ -154,7 +155,7 @@ def build_parallel_engine(config: EngineConfig, model: str | Path) -> LLMEngine:
     return LLMEngine(
         config,
         runner,
-        kv,  # type: ignore[arg-type]
+        kv,
         model_config=mc,
         tokenizer=tokenizer,
     )

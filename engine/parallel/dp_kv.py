@@ -1,11 +1,12 @@
-"""The KV bookkeeping of D data-parallel ranks behind the one interface the scheduler uses.
+"""The KV bookkeeping of D data-parallel ranks behind the ``KVManager`` interface.
 
 With DP attention (docs/design/parallelism.md, "Data-parallel attention") each
 sequence lives on one DP rank: its global-KV pages, SWA rings and prefix-cache
 entries are that rank's, so the node holds the sum of the ranks' pools. The
 engine core keeps one ``KVCacheManager`` per DP rank for the page bookkeeping
-(block pool, prefix cache); the page bytes live on the ranks' workers, so the
-core's managers hold their page tensor on the ``meta`` device (no memory).
+(block pool, prefix cache); the page bytes live on the ranks' workers, so each
+rank's manager moves bytes through a ``StagedPages``: what it loads from SSD
+and what it writes behind wait there for the executor's next step.
 
 ``place`` picks a waiting sequence's rank before its admission: among the ranks
 that can take all its pages, the one whose device tier holds the longest cached
@@ -19,63 +20,60 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
+from kvstore.device.device_pool import require_pages
 from kvstore.device.layout import KVLayout
 from kvstore.device.page_hash import Salt, chain_hashes
 from kvstore.manager import KVCacheManager, RestorePlan
 from kvstore.ssd.persistent import PersistentStore
 from kvstore.stats import KVStats
 
+# Pages restored from SSD into a rank, (device page, bytes); committed chain
+# segments whose bytes the rank must hand back, [(page hash, device page)].
+Restored = list[tuple[int, bytes]]
+Unwritten = list[list[tuple[bytes, int]]]
 
-class CoreKV(KVCacheManager):
-    """One DP rank's page bookkeeping in the core; the page bytes live on its workers.
 
-    Its page tensor is on ``meta``. The SSD tier (shared by every rank) still
-    works through it: a page loaded from SSD is kept as bytes in ``restored``
-    until the executor ships it to the rank's workers with the next step, and a
-    committed page's chain segment waits in ``unwritten`` until the executor has
-    fetched its bytes from the rank (``write_fetched``).
+@dataclass(slots=True)
+class StagedPages:
+    """``PageBytes`` of one DP rank in the core, whose pool is on the rank's workers.
+
+    A page loaded from SSD is kept as bytes in ``restored`` until the executor
+    ships it to the rank's workers with the next step (they copy it in before
+    the forward); a committed chain segment waits in ``unwritten`` until the
+    executor has fetched its bytes from the rank (``DataParallelKV.write_fetched``).
     """
 
-    def __init__(self, layout: KVLayout, cache_bytes: int) -> None:
-        super().__init__(layout, cache_bytes, "meta")
-        self.restored: list[tuple[int, bytes]] = []
-        self.unwritten: list[list[tuple[bytes, int]]] = []
+    store: PersistentStore
+    restored: Restored = field(default_factory=list)
+    unwritten: Unwritten = field(default_factory=list)
 
-    def _write_loaded(self, loaded: list[tuple[int, memoryview]]) -> None:
-        # No device pool here: the bytes ship with the next step and the workers copy
-        # them in before its forward.
-        self.restored.extend((page, bytes(payload)) for page, payload in loaded)
+    def load(self, pages: list[tuple[bytes, int]]) -> list[bool]:
+        payloads = self.store.get_many([h for h, _ in pages])
+        for (_, page), data in zip(pages, payloads, strict=True):
+            if data is not None:
+                self.restored.append((page, bytes(data)))
+        return [data is not None for data in payloads]
 
-    def commit_full_pages(self, request_id: Hashable, token_ids: Sequence[int], salt: Salt) -> int:
-        store, self.store = self.store, None  # register only; the bytes are fetched later
-        try:
-            start = len(self._requests[request_id].hashes)
-            n = super().commit_full_pages(request_id, token_ids, salt)
-        finally:
-            self.store = store
-        if store is not None and n:
-            req = self._requests[request_id]
-            segment = list(zip(req.hashes[start:], req.block_table[start : start + n], strict=True))
-            self.unwritten.append(segment)
-        return n
+    def write_behind(self, chain: list[tuple[bytes, int]]) -> None:
+        self.unwritten.append(list(chain))
 
-    def publish(self, request_id: Hashable) -> list[bytes]:
-        raise NotImplementedError("prefill-only requests are not served with parallel serving")
+    @property
+    def pending(self) -> bool:
+        return bool(self.restored or self.unwritten)
 
-    def take_unwritten(self) -> list[list[tuple[bytes, int]]]:
-        segments, self.unwritten = self.unwritten, []
-        return segments
-
-    def take_restored(self) -> list[tuple[int, bytes]]:
-        pages, self.restored = self.restored, []
-        return pages
+    def take(self) -> tuple[Restored, Unwritten]:
+        """(pages to restore into the rank, chain segments whose bytes to fetch)."""
+        out = (self.restored, self.unwritten)
+        self.restored, self.unwritten = [], []
+        return out
 
 
 class DataParallelKV:
-    """``KVCacheManager``'s engine-facing methods over one manager per DP rank."""
+    """``KVManager`` over one ``KVCacheManager`` per DP rank (see the module doc)."""
 
     def __init__(
         self,
@@ -87,12 +85,18 @@ class DataParallelKV:
     ) -> None:
         self.layout = layout
         self.page_tokens = layout.page_tokens
-        # The bytes are the workers'; the core counts pages only.
-        self.ranks = [CoreKV(layout, cache_bytes) for _ in range(data_parallel_size)]
+        num_pages = require_pages(layout, cache_bytes)
         # One SSD tier for every rank (content-addressed: any rank may restore any page).
         self.store = PersistentStore(kv_dir, layout, kv_dir_bytes) if kv_dir else None
-        for m in self.ranks:
-            m.store = self.store
+        # The bytes are the workers'; the core counts pages only.
+        self.staged = [
+            StagedPages(self.store) if self.store is not None else None
+            for _ in range(data_parallel_size)
+        ]
+        self.ranks = [
+            KVCacheManager(layout, num_pages, store=self.store, pages=staged)
+            for staged in self.staged
+        ]
         self._rank: dict[Hashable, int] = {}
 
     @property
@@ -106,7 +110,7 @@ class DataParallelKV:
     ) -> int:
         """Choose the rank of a sequence not yet admitted (see the module doc)."""
         current = self._rank.get(request_id)
-        if current is not None and request_id in self.ranks[current]._requests:
+        if current is not None and self.ranks[current].holds(request_id):
             return current  # admitted already: it stays
         n = len(token_ids)
         cap = max(0, (n - 1) // self.page_tokens) if need_logits else n // self.page_tokens
@@ -115,28 +119,24 @@ class DataParallelKV:
         for rid, r in self._rank.items():
             # Admitted sequences only: a placement of one that never got its pages
             # (still waiting, or aborted while waiting) holds nothing there.
-            if rid != request_id and rid in self.ranks[r]._requests:
+            if rid != request_id and self.ranks[r].holds(rid):
                 load[r] += 1
 
         def score(r: int) -> tuple[bool, int, int, int]:
             m = self.ranks[r]
-            hit = 0
-            for h in hashes:
-                if m.pool.lookup(h) is None:
-                    break
-                hit += 1
+            hit = m.cached_prefix_pages(hashes)
             return (m.can_allocate(request_id, n), hit, -load[r], m.pool.num_available)
 
         best = max(range(len(self.ranks)), key=score)
         self._rank[request_id] = best
-        if len(self._rank) > 4 * (sum(len(m._requests) for m in self.ranks) + 64):
+        if len(self._rank) > 4 * (sum(m.open_requests() for m in self.ranks) + 64):
             self._forget_unadmitted(keep=request_id)
         return best
 
     def _forget_unadmitted(self, keep: Hashable) -> None:
         """Drop placements of sequences that hold no pages (aborted while waiting)."""
         self._rank = {
-            rid: r for rid, r in self._rank.items() if rid == keep or rid in self.ranks[r]._requests
+            rid: r for rid, r in self._rank.items() if rid == keep or self.ranks[r].holds(rid)
         }
 
     def pool_of(self, request_id: Hashable) -> int:
@@ -151,7 +151,12 @@ class DataParallelKV:
         return self._m(request_id).can_allocate(request_id, n_tokens)
 
     def plan_restore(
-        self, request_id: Hashable, token_ids: Sequence[int], salt: Salt, *, need_logits=True
+        self,
+        request_id: Hashable,
+        token_ids: Sequence[int],
+        salt: Salt,
+        *,
+        need_logits: bool = True,
     ) -> RestorePlan:
         return self._m(request_id).plan_restore(
             request_id, token_ids, salt, need_logits=need_logits
@@ -167,7 +172,7 @@ class DataParallelKV:
         return self._m(request_id).commit_full_pages(request_id, token_ids, salt)
 
     def publish(self, request_id: Hashable) -> list[bytes]:
-        return self._m(request_id).publish(request_id)
+        raise NotImplementedError("prefill-only requests are not served with parallel serving")
 
     def wait_published(self, hashes: Sequence[bytes], timeout: float | None = None) -> int:
         return 0 if self.store is None else self.store.wait_written(hashes, timeout)
@@ -190,9 +195,17 @@ class DataParallelKV:
     def rank_stats(self) -> list[KVStats]:
         return [m.stats() for m in self.ranks]
 
-    def write_fetched(
-        self, segments: list[list[tuple[bytes, int]]], rows: dict[int, bytes]
-    ) -> None:
+    # ------------------------------------------------------------ page traffic
+    def take_traffic(self, dp: int) -> tuple[Restored, Unwritten]:
+        """DP rank ``dp``'s SSD-tier traffic since the last step: pages restored into it,
+        and committed chain segments whose bytes to fetch for writing."""
+        staged = self.staged[dp]
+        return staged.take() if staged is not None else ([], [])
+
+    def has_traffic(self) -> bool:
+        return any(s is not None and s.pending for s in self.staged)
+
+    def write_fetched(self, segments: Unwritten, rows: dict[int, bytes]) -> None:
         """Queue the SSD writes of committed chain segments whose page bytes came back."""
         assert self.store is not None
         for segment in segments:

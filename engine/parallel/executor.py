@@ -254,16 +254,15 @@ class ParallelExecutor:
     def _kv_traffic(self, dp: int) -> tuple[list[tuple[int, bytes]], list[list[tuple[bytes, int]]]]:
         """DP rank ``dp``'s SSD-tier traffic for this step: pages restored into it since
         the last step, and committed chain segments whose bytes to fetch for writing."""
-        if self.kv is None or self.kv.store is None:
+        if self.kv is None:
             return [], []
-        rank = self.kv.ranks[dp]
-        return rank.take_restored(), rank.take_unwritten()
+        return self.kv.take_traffic(dp)
 
     def flush_kv(self) -> None:
         """Fetch and write every committed page still waiting for its bytes (shutdown)."""
-        if self.kv is None or self.kv.store is None or self._failed is not None:
+        if self.kv is None or self._failed is not None:
             return
-        if any(m.unwritten or m.restored for m in self.kv.ranks):
+        if self.kv.has_traffic():
             self.execute(StepBatch())
 
     def _state(self, seq: Sequence, groups: list[_Group]) -> int:

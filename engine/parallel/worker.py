@@ -94,8 +94,8 @@ class _Rank:
 
     def __init__(self, spec: wire.WorkerSpec, device: str) -> None:
         from engine.runner.model_runner import PagedModelRunner
+        from kvstore.device.device_pool import DevicePool, require_pages
         from kvstore.device.layout import kv_layout
-        from kvstore.manager import KVCacheManager
 
         self.spec = spec
         self.model = _load(spec, device)
@@ -107,9 +107,9 @@ class _Rank:
             spec.kv_dtype,  # type: ignore[arg-type]
             spec.model_id,
         )
-        # Only its page tensor is used: the bookkeeping is the core's.
-        self.kv = KVCacheManager(layout, spec.kv_cache_bytes, device)
-        self.runner = PagedModelRunner(self.model, self.kv, spec.max_num_seqs)
+        # The rank's page bytes; which page holds what is the core's bookkeeping.
+        self.pages = DevicePool(layout, require_pages(layout, spec.kv_cache_bytes), device)
+        self.runner = PagedModelRunner(self.model, self.pages, spec.max_num_seqs)
         self.seqs: dict = {}
         self.leader = spec.rank % spec.tensor_parallel_size == 0
 
@@ -119,14 +119,10 @@ class _Rank:
         from engine.core.sequence import Sequence
         from engine.core.step import PrefillChunk, StepBatch
 
-        pool = self.kv.memory.pages
-        fetched = [(p, pool[p].cpu().numpy().tobytes()) for p in work.fetch] if self.leader else []
-        if work.restore:
-            ids = torch.tensor([p for p, _ in work.restore], device=pool.device)
-            data = torch.stack(
-                [torch.frombuffer(bytearray(b), dtype=torch.uint8) for _, b in work.restore]
-            )
-            pool.index_copy_(0, ids, data.to(pool.device))
+        # Fetch before restoring: a committed page may be evicted and restored into
+        # by this step's allocations (docs/design/parallelism.md, "The SSD tier").
+        fetched = self.pages.copy_out(work.fetch) if self.leader else []
+        self.pages.copy_in(work.restore)
         for seq_id in work.released:
             seq = self.seqs.pop(seq_id, None)
             if seq is not None:

@@ -12,6 +12,10 @@ model's one forward (``CausalLM.forward``) over the paged KV backend
 
 The dense oracle is the same forward over ``engine/model/kv/dense_backend.py``;
 the engine tests hold the two together.
+
+The runner owns the KV bytes of its process: the page pool it is given
+(``DevicePool``; which page holds what is the ``KVManager``'s bookkeeping) and
+the per-request SWA rings and compressor rows it allocates (``RequestStatePool``).
 """
 
 from __future__ import annotations
@@ -25,17 +29,17 @@ from engine.model.base import CausalLM
 from engine.runner.cuda_graphs import DecodeGraphs
 from engine.runner.paged_backend import PagedKV, Segment
 from engine.sample.prompt_scores import score_rows
-from kvstore.manager import KVCacheManager
+from kvstore.device.device_pool import DevicePool
 from kvstore.request_state import RequestStateLayout, RequestStatePool
 
 
 class PagedModelRunner:
-    """Implements ``engine.core.step.ModelRunner`` over a ``KVCacheManager``."""
+    """Implements ``engine.core.step.ModelRunner`` over a page pool and its own request state."""
 
     def __init__(
         self,
         model: CausalLM,
-        kv: KVCacheManager,
+        device_pages: DevicePool,
         max_num_seqs: int,
         graphs: DecodeGraphs | None = None,
     ) -> None:
@@ -43,7 +47,7 @@ class PagedModelRunner:
         # Captured decode steps (engine/runner/cuda_graphs.py); None: every step runs eagerly.
         self.graphs = graphs
         self.config = config = model.config
-        self.kv = kv
+        self.device_pages = device_pages
         self.device = model.embed.weight.device
         self.ratios = {l: config.compress_ratios[l] for l in config.kv_source_layer_ids}
         grouped = [l for l in config.kv_source_layer_ids if self.ratios[l] > 1]
@@ -58,7 +62,7 @@ class PagedModelRunner:
             max_num_seqs,
             device=str(self.device),
         )
-        self.pages = {l: kv.page_tensors(l) for l in config.kv_source_layer_ids}
+        self.pages = {l: device_pages.source(l) for l in config.kv_source_layer_ids}
         self._has_state: set[int] = set()
         self._prompt_scores: dict[int, list[TokenLogprob]] = {}
 

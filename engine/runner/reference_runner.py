@@ -36,20 +36,19 @@ from kernels.quant import (
     pack_nibbles,
     unpack_nibbles,
 )
-from kvstore.device.device_pool import SourcePages
-from kvstore.manager import KVCacheManager
+from kvstore.device.device_pool import DevicePool, SourcePages
 
 
 class ReferenceRunner:
-    """Dense recompute per step; global KV kept as bytes in the KV manager's pages."""
+    """Dense recompute per step; global KV kept as bytes in the pool's pages."""
 
-    def __init__(self, model: CausalLM, kv: KVCacheManager, precision: KVPrecision) -> None:
+    def __init__(self, model: CausalLM, device_pages: DevicePool, precision: KVPrecision) -> None:
         assert precision.global_kv in ("fp4", "bf16"), "pages store fp4 or bf16 global KV"
         self.model = model
-        self.kv = kv
+        self.device_pages = device_pages
         self.precision = precision
-        self.page_tokens = kv.page_tokens
-        self.sources = {s.layer_id: s.compress_ratio for s in kv.layout.sources}
+        self.page_tokens = device_pages.layout.page_tokens
+        self.sources = {s.layer_id: s.compress_ratio for s in device_pages.layout.sources}
         # seq_id -> tokens whose complete groups are in the pages (this admission).
         self._written: dict[int, int] = {}
         self._prompt_scores: dict[int, list[TokenLogprob]] = {}
@@ -114,7 +113,7 @@ class ReferenceRunner:
         dtype = self.model.embed.weight.dtype
         stored = GlobalKV()
         for layer, ratio in self.sources.items():
-            pages = self.kv.page_tensors(layer)
+            pages = self.device_pages.source(layer)
             page, slot = self._slots(seq, pages, 0, tokens // ratio)
             main = torch.cat([pages.main_data[page, slot], pages.main_scales[page, slot]], -1)
             index = torch.cat([pages.index_data[page, slot], pages.index_scales[page, slot]], -1)
@@ -124,7 +123,7 @@ class ReferenceRunner:
 
     def _write(self, seq: Sequence, layer: int, first: int, kv: GlobalKV, last: int) -> None:
         """Entries ``[first, last)`` of ``layer`` as records into ``seq``'s pages."""
-        pages = self.kv.page_tensors(layer)
+        pages = self.device_pages.source(layer)
         page, slot = self._slots(seq, pages, first, last)
         main = self._encode(kv.latents[layer][first:last], quantize_main_kv)
         index = self._encode(kv.keys[layer][first:last], quantize_index_key)

@@ -3,16 +3,24 @@
 Row ``p`` is page ``p`` of every kv source, so a page moves to or from the
 SSD tier as one contiguous copy. Each source sees strided views of its own
 byte range (main page, index page); kernels read and write through them.
+
+The pool belongs to whoever runs the model (the runner in one process, each
+worker under parallel serving), never to the bookkeeping: ``KVCacheManager``
+(``kvstore/manager.py``) names pages, and a pool with an SSD tier is its
+``PageBytes``, copying page files in (``load``) and committed pages out
+(``write_behind``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from kvstore.device.layout import KVLayout
 from kvstore.device.page_format import record_views
+from kvstore.ssd.persistent import PersistentStore
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +48,16 @@ def pages_for_bytes(layout: KVLayout, cache_bytes: int) -> int:
     return max(0, cache_bytes // layout.page_bytes)
 
 
+def require_pages(layout: KVLayout, cache_bytes: int) -> int:
+    """``pages_for_bytes``, refusing a budget that holds no page."""
+    num_pages = pages_for_bytes(layout, cache_bytes)
+    if num_pages < 1:
+        raise ValueError(
+            f"kv cache of {cache_bytes} bytes holds no page of {layout.page_bytes} bytes"
+        )
+    return num_pages
+
+
 def free_device_bytes(device: str) -> int:
     """Free memory of ``device`` in bytes (for a ``fraction of free memory`` budget)."""
     dev = torch.device(device)
@@ -55,12 +73,23 @@ def free_device_bytes(device: str) -> int:
 
 
 class DevicePool:
-    """Owns the page tensor and hands out per-source views."""
+    """Owns the page tensor, hands out per-source views, moves whole pages in and out.
 
-    def __init__(self, layout: KVLayout, num_pages: int, device: str = "cpu") -> None:
+    ``store``: the SSD tier its pages are restored from and written behind to
+    (``PageBytes`` for the pool's ``KVCacheManager``); None without one.
+    """
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        num_pages: int,
+        device: str = "cpu",
+        store: PersistentStore | None = None,
+    ) -> None:
         self.layout = layout
         self.num_pages = num_pages
         self.device = torch.device(device)
+        self.store = store
         # Zeroed so a page never exposes a previous process's or request's bytes.
         self.pages = torch.zeros(num_pages, layout.page_bytes, dtype=torch.uint8, device=device)
         self._sources = {s.layer_id: self._views(s.layer_id) for s in layout.sources}
@@ -71,6 +100,40 @@ class DevicePool:
 
     def source(self, layer_id: int) -> SourcePages:
         return self._sources[layer_id]
+
+    # ------------------------------------------------------------ whole pages
+    def copy_in(self, rows: Sequence[tuple[int, bytes | bytearray | memoryview]]) -> None:
+        """Write whole pages ``(page, bytes)`` (restored from SSD, or shipped by the core)."""
+        if not rows:
+            return
+        # frombuffer wants a writable buffer: immutable bytes are copied once.
+        data = torch.stack(
+            [
+                torch.frombuffer(bytearray(b) if isinstance(b, bytes) else b, dtype=torch.uint8)
+                for _, b in rows
+            ]
+        )
+        ids = torch.tensor([page for page, _ in rows], device=self.device)
+        self.pages.index_copy_(0, ids, data.to(self.device))
+
+    def copy_out(self, pages: list[int]) -> list[tuple[int, bytes]]:
+        """Whole pages as host bytes ``(page, bytes)`` (for the core's write-behind)."""
+        return [(p, self.pages[p].cpu().numpy().tobytes()) for p in pages]
+
+    # ------------------------------------------------------------ PageBytes
+    def load(self, pages: list[tuple[bytes, int]]) -> list[bool]:
+        """Read the files of ``(page hash, device page)`` from the SSD tier into the pool."""
+        assert self.store is not None, "no SSD tier to load from"
+        payloads = self.store.get_many([h for h, _ in pages])
+        self.copy_in(
+            [(p, data) for (_, p), data in zip(pages, payloads, strict=True) if data is not None]
+        )
+        return [data is not None for data in payloads]
+
+    def write_behind(self, chain: list[tuple[bytes, int]]) -> None:
+        """Queue committed pages for the SSD tier (it snapshots the rows at once)."""
+        assert self.store is not None, "no SSD tier to write to"
+        self.store.put_chain([(h, self.pages[p]) for h, p in chain])
 
     def _views(self, layer_id: int) -> SourcePages:
         s = self.layout.source(layer_id)

@@ -18,6 +18,7 @@ from engine.model.kv.dense_backend import KVPrecision
 from engine.runner.model_runner import PagedModelRunner
 from engine.runner.reference_runner import ReferenceRunner
 from kvstore.device.layout import kv_layout
+from kvstore.local import LocalKV, open_local_kv
 from kvstore.manager import KVCacheManager
 
 TINY = ModelConfig.tiny()
@@ -72,8 +73,18 @@ def make_kv(
     kv_dtype: str = "fp4",
 ) -> KVCacheManager:
     """A KV manager with the tiny model's layout and exactly ``num_pages`` pages."""
+    return make_local_kv(num_pages, page_tokens, kv_dir, kv_dtype).manager
+
+
+def make_local_kv(
+    num_pages: int,
+    page_tokens: int = 8,
+    kv_dir=None,
+    kv_dtype: str = "fp4",
+) -> LocalKV:
+    """``make_kv``'s manager and the page pool a runner writes."""
     layout = kv_layout(TINY.kv_source_layer_ids, TINY.compress_ratios, page_tokens, kv_dtype)
-    return KVCacheManager(layout, num_pages * layout.page_bytes, kv_dir=kv_dir)
+    return open_local_kv(layout, num_pages * layout.page_bytes, kv_dir=kv_dir)
 
 
 class CheckingRunner:
@@ -197,11 +208,11 @@ def reference_engine(
     logits and admissions."""
     config.setdefault("page_tokens", 8)
     cfg = EngineConfig(runner=runner, **config)
-    kv = make_kv(num_pages, cfg.page_tokens, kv_dir, cfg.kv_dtype)
+    kv, pages = make_local_kv(num_pages, cfg.page_tokens, kv_dir, cfg.kv_dtype)
     if runner == "reference":
-        inner = ReferenceRunner(model, kv, KVPrecision(global_kv=cfg.kv_dtype))
+        inner = ReferenceRunner(model, pages, KVPrecision(global_kv=cfg.kv_dtype))
     else:
-        inner = PagedModelRunner(model, kv, cfg.max_num_seqs)
+        inner = PagedModelRunner(model, pages, cfg.max_num_seqs)
     runner = RecordingRunner(inner)
     engine = LLMEngine(
         cfg,

@@ -150,7 +150,7 @@ def _one_rank_per_sequence(engine) -> None:
     runner state went to that rank only."""
     kv, runner = engine.kv, engine.runner
     for seq in engine.scheduler.running:
-        holders = [d for d, m in enumerate(kv.ranks) if seq.seq_id in m._requests]
+        holders = [d for d, m in enumerate(kv.ranks) if m.holds(seq.seq_id)]
         assert holders == [kv.pool_of(seq.seq_id)]
         if seq.seq_id in runner._where:
             assert runner._where[seq.seq_id] == holders[0]

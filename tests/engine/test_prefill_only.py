@@ -146,11 +146,11 @@ def test_an_encoder_only_model_writes_the_same_pages(engine_model64):
     tokens = prompt(45, 11)
     pages = []
     for model in (engine_model64, encoder):
-        engine, _ = reference_engine(model, runner="paged")
+        engine, runner = reference_engine(model, runner="paged")
         engine.add_request(_prefill_only("p", tokens))
         (out,) = run_to_completion(engine)["p"]
         ids = [engine.kv.pool.lookup(h) for h in out.published_pages]
-        pages.append(engine.kv.memory.pages[torch.tensor(ids)])
+        pages.append(runner.inner.device_pages.pages[torch.tensor(ids)])
     assert len(ids) == 5 and torch.equal(pages[0], pages[1])
     with pytest.raises(ValueError, match="prefill worker"):
         engine.add_request(Request("n", tokens, greedy(1)))

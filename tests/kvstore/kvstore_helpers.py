@@ -12,7 +12,7 @@ from pathlib import Path
 import blake3
 import torch
 
-from kvstore import KVCacheManager, KVLayout, chain_hashes, kv_layout
+from kvstore import DevicePool, KVCacheManager, KVLayout, chain_hashes, kv_layout
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("kvstore_worker.py")
@@ -35,13 +35,16 @@ def content_for(page_hash: bytes, nbytes: int) -> torch.Tensor:
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
 
-def fill_and_commit(kv: KVCacheManager, rid: str, tokens: Sequence[int], salt: str) -> list[bytes]:
-    """Open a request, write every missing full page's bytes, commit; returns the hashes."""
+def fill_and_commit(
+    kv: KVCacheManager, pool: DevicePool, rid: str, tokens: Sequence[int], salt: str
+) -> list[bytes]:
+    """Open a request, write every missing full page's bytes into ``pool`` (the runner's
+    part), commit; returns the hashes."""
     plan = kv.plan_restore(rid, tokens, salt)
     table = kv.allocate(rid, len(tokens))
     hashes = chain_hashes(tokens, salt, kv.page_tokens)
     for i in range(len(plan.page_ids), len(hashes)):
-        kv.memory.pages[table[i]] = content_for(hashes[i], kv.layout.page_bytes)
+        pool.pages[table[i]] = content_for(hashes[i], kv.layout.page_bytes)
     kv.commit_full_pages(rid, tokens, salt)
     return hashes
 

@@ -14,7 +14,7 @@ import sys
 import blake3
 from kvstore_helpers import content_for, fill_and_commit, tiny_layout
 
-from kvstore import KVCacheManager, PersistentStore, chain_hashes
+from kvstore import PersistentStore, chain_hashes, open_local_kv
 
 
 def burst_hash(i: int) -> bytes:
@@ -29,8 +29,11 @@ def mode_hash(tokens_json: str, salt: str, page_tokens: str) -> dict:
 def mode_write(kv_dir: str, n_tokens: str, salt: str) -> dict:
     """Write a prompt's full pages through the manager, then exit cleanly."""
     layout = tiny_layout()
-    with KVCacheManager(layout, 64 * layout.page_bytes, kv_dir=kv_dir, kv_dir_bytes=10**9) as kv:
-        hashes = fill_and_commit(kv, "r", list(range(int(n_tokens))), salt)
+    with open_local_kv(layout, 64 * layout.page_bytes, kv_dir=kv_dir, kv_dir_bytes=10**9) as (
+        kv,
+        pool,
+    ):
+        hashes = fill_and_commit(kv, pool, "r", list(range(int(n_tokens))), salt)
     return {"hashes": [h.hex() for h in hashes]}
 
 
@@ -93,14 +96,14 @@ def mode_fsize_limit(kv_dir: str, limit: str) -> dict:
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     resource.setrlimit(resource.RLIMIT_FSIZE, (int(limit), int(limit)))
     layout = tiny_layout()
-    kv = KVCacheManager(layout, 16 * layout.page_bytes, kv_dir=kv_dir, kv_dir_bytes=10**9)
+    kv, pool = open_local_kv(layout, 16 * layout.page_bytes, kv_dir=kv_dir, kv_dir_bytes=10**9)
     tokens = list(range(5 * 64 + 1))
-    fill_and_commit(kv, "a", tokens, "s")
+    fill_and_commit(kv, pool, "a", tokens, "s")
     kv.flush()
     kv.free("a")
     # Serving continues: the device tier still hits, new commits do not raise.
     plan = kv.plan_restore("b", tokens, "s")
-    fill_and_commit(kv, "c", list(range(1000, 1000 + 3 * 64)), "s")
+    fill_and_commit(kv, pool, "c", list(range(1000, 1000 + 3 * 64)), "s")
     kv.close()
     s = kv.stats().ssd
     return {

@@ -16,7 +16,7 @@ import pytest
 import torch
 from kvstore_helpers import content_for, fill_and_commit, run_worker, spawn_worker, tiny_layout
 
-from kvstore import KVCacheManager, PersistentStore
+from kvstore import PersistentStore, open_local_kv
 from kvstore.ssd.page_file import CHECKSUM_BYTES, HEADER_BYTES
 
 LAYOUT = tiny_layout()
@@ -110,10 +110,10 @@ def test_full_disk_tmpfs_disables_writes_and_keeps_serving(
     mnt = tmp_path / "small"
     pages_that_fit = 4
     with _tmpfs(mnt, f"{pages_that_fit * 36 + 4}k"):
-        kv = KVCacheManager(LAYOUT, 32 * LAYOUT.page_bytes, kv_dir=mnt, kv_dir_bytes=10**9)
+        kv, pool = open_local_kv(LAYOUT, 32 * LAYOUT.page_bytes, kv_dir=mnt, kv_dir_bytes=10**9)
         tokens = list(range(10 * 64 + 1))
         with caplog.at_level(logging.WARNING, logger="kvstore.ssd.persistent"):
-            fill_and_commit(kv, "a", tokens, "s")
+            fill_and_commit(kv, pool, "a", tokens, "s")
             kv.flush()
         s = kv.stats().ssd
         assert not s.writes_enabled and s.write_errors == 1
@@ -123,11 +123,11 @@ def test_full_disk_tmpfs_disables_writes_and_keeps_serving(
         # Serving goes on: the device tier hits, new commits neither raise nor queue.
         kv.free("a")
         assert kv.plan_restore("b", tokens, "s").device_hit_tokens == 10 * 64
-        fill_and_commit(kv, "c", list(range(5000, 5000 + 3 * 64)), "s")
+        fill_and_commit(kv, pool, "c", list(range(5000, 5000 + 3 * 64)), "s")
         kv.close()
         assert kv.stats().ssd.writes == s.writes
         # The pages that made it are a head of the chain and restore after a restart.
-        kv2 = KVCacheManager(LAYOUT, 32 * LAYOUT.page_bytes, kv_dir=mnt, kv_dir_bytes=10**9)
+        kv2, _ = open_local_kv(LAYOUT, 32 * LAYOUT.page_bytes, kv_dir=mnt, kv_dir_bytes=10**9)
         plan = kv2.plan_restore("d", tokens, "s")
         assert plan.ssd_hit_tokens == s.writes * 64
         assert kv2.store is not None
@@ -168,8 +168,11 @@ def test_read_only_directory_serves_reads_and_refuses_writes(
     ctx = _tmpfs(mnt, "4m") if os.geteuid() == 0 else contextlib.nullcontext()
     with ctx:
         mnt.mkdir(exist_ok=True)
-        with KVCacheManager(LAYOUT, 32 * LAYOUT.page_bytes, kv_dir=mnt, kv_dir_bytes=10**9) as kv:
-            hashes = fill_and_commit(kv, "a", tokens, "s")
+        with open_local_kv(LAYOUT, 32 * LAYOUT.page_bytes, kv_dir=mnt, kv_dir_bytes=10**9) as (
+            kv,
+            pool,
+        ):
+            hashes = fill_and_commit(kv, pool, "a", tokens, "s")
         store = PersistentStore(mnt, LAYOUT, budget_bytes=10**9)
         victim = store.path(hashes[3])
         store.close()
@@ -178,13 +181,15 @@ def test_read_only_directory_serves_reads_and_refuses_writes(
         victim.write_bytes(raw)
         for _ in _make_read_only(mnt):
             with caplog.at_level(logging.WARNING, logger="kvstore.ssd.persistent"):
-                kv = KVCacheManager(LAYOUT, 32 * LAYOUT.page_bytes, kv_dir=mnt, kv_dir_bytes=10**9)
+                kv, pool = open_local_kv(
+                    LAYOUT, 32 * LAYOUT.page_bytes, kv_dir=mnt, kv_dir_bytes=10**9
+                )
                 plan = kv.plan_restore("b", tokens, "s")
                 # Pages 0-2 verify; page 3 fails its checksum: a miss, though undeletable.
                 assert plan.ssd_hit_tokens == 3 * 64
                 for page, h in zip(plan.page_ids, hashes, strict=False):
-                    assert torch.equal(kv.memory.pages[page], content_for(h, LAYOUT.page_bytes))
-                fill_and_commit(kv, "c", list(range(9000, 9000 + 2 * 64)), "s")
+                    assert torch.equal(pool.pages[page], content_for(h, LAYOUT.page_bytes))
+                fill_and_commit(kv, pool, "c", list(range(9000, 9000 + 2 * 64)), "s")
                 kv.flush()
                 s = kv.stats().ssd
                 assert s.checksum_failures == 1 and victim.exists()

@@ -14,7 +14,7 @@ import torch
 from kvstore_helpers import content_for, fill_and_commit, spawn_worker, tiny_layout
 from kvstore_worker import burst_hash
 
-from kvstore import KVCacheManager, PersistentStore, chain_hashes
+from kvstore import PersistentStore, chain_hashes, open_local_kv
 from kvstore.ssd.page_file import CHECKSUM_BYTES, HEADER_BYTES
 
 LAYOUT = tiny_layout()
@@ -139,11 +139,11 @@ def test_a_directory_at_a_page_path_fails_that_page_only(tmp_path: Path) -> None
     # rename() onto a directory fails with EISDIR; that used to turn SSD writes off.
     tokens = list(range(5 * 64 + 1))
     hashes = chain_hashes(tokens, "s", 64)
-    kv = KVCacheManager(LAYOUT, 32 * LAYOUT.page_bytes, kv_dir=tmp_path, kv_dir_bytes=10**9)
+    kv, pool = open_local_kv(LAYOUT, 32 * LAYOUT.page_bytes, kv_dir=tmp_path, kv_dir_bytes=10**9)
     assert kv.store is not None
     blocker = kv.store.path(hashes[2])
     blocker.mkdir(parents=True)
-    fill_and_commit(kv, "a", tokens, "s")
+    fill_and_commit(kv, pool, "a", tokens, "s")
     kv.flush()
     s = kv.stats().ssd
     assert (s.writes, s.write_errors, s.writes_enabled) == (4, 1, True)
@@ -151,12 +151,12 @@ def test_a_directory_at_a_page_path_fails_that_page_only(tmp_path: Path) -> None
     assert all(kv.store.path(h).is_file() for i, h in enumerate(hashes) if i != 2)
     assert blocker.is_dir() and not list(tmp_path.rglob("*.tmp"))
     # Later writes go on.
-    other = fill_and_commit(kv, "b", list(range(9000, 9000 + 3 * 64)), "s")
+    other = fill_and_commit(kv, pool, "b", list(range(9000, 9000 + 3 * 64)), "s")
     kv.flush()
     assert kv.stats().ssd.writes == 7 and all(kv.store.path(h).is_file() for h in other)
     kv.close()
     # After a restart the chain is served up to the directory and computed from there.
-    kv = KVCacheManager(LAYOUT, 32 * LAYOUT.page_bytes, kv_dir=tmp_path, kv_dir_bytes=10**9)
+    kv, pool = open_local_kv(LAYOUT, 32 * LAYOUT.page_bytes, kv_dir=tmp_path, kv_dir_bytes=10**9)
     plan = kv.plan_restore("c", tokens, "s")
     assert plan.ssd_hit_tokens == 2 * 64
     kv.close()

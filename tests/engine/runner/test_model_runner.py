@@ -21,7 +21,7 @@ from engine.core.step import PrefillChunk, StepBatch
 from engine.model.deepseek_v41.reference import GlobalKV, ReplayPlan, forward
 from engine.runner.model_runner import PagedModelRunner
 from kvstore.device.layout import kv_layout
-from kvstore.manager import KVCacheManager
+from kvstore.local import open_local_kv
 
 PAGE = 16
 TIGHT_ATOL = 1e-6
@@ -48,7 +48,7 @@ def _check_step(logits, ref, atol):
 
 def _manager(config, kv_dir=None, pages=64):
     layout = kv_layout(config.kv_source_layer_ids, config.compress_ratios, page_tokens=PAGE)
-    return KVCacheManager(layout, layout.page_bytes * pages, kv_dir=kv_dir)
+    return open_local_kv(layout, layout.page_bytes * pages, kv_dir=kv_dir)
 
 
 def _admit(kv, config, seq_id, tokens, W, ced=True):
@@ -86,8 +86,8 @@ def _plan(seq):
 def _prefill_and_decode(model, tokens, chunk, steps, atol, ced=True):
     config = model.config
     W = config.sliding_window
-    kv = _manager(config)
-    runner = PagedModelRunner(model, kv, max_num_seqs=4)
+    kv, pages = _manager(config)
+    runner = PagedModelRunner(model, pages, max_num_seqs=4)
     seq = _admit(kv, config, 1, tokens, W, ced=ced)
     logits = _prefill(runner, seq, chunk)
     for _ in range(steps):
@@ -126,8 +126,8 @@ def test_batch_of_sequences_matches_reference(model64):
     W = config.sliding_window
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 120000, (n,), generator=gen).tolist() for n in (5, 19, 33, 40)]
-    kv = _manager(config)
-    runner = PagedModelRunner(tiny_model, kv, max_num_seqs=8)
+    kv, pages = _manager(config)
+    runner = PagedModelRunner(tiny_model, pages, max_num_seqs=8)
     seqs = [_admit(kv, config, i, p, W) for i, p in enumerate(prompts)]
     out = runner.execute(
         StepBatch(prefills=[PrefillChunk(s, s.encoder_start, s.prefill_end, True) for s in seqs])
@@ -145,8 +145,8 @@ def test_restore_from_device_tier_matches_reference(model64):
     config = tiny_model.config
     W = config.sliding_window
     tokens = torch.randint(3, 120000, (50,), generator=torch.Generator().manual_seed(11)).tolist()
-    kv = _manager(config)
-    runner = PagedModelRunner(tiny_model, kv, max_num_seqs=4)
+    kv, pages = _manager(config)
+    runner = PagedModelRunner(tiny_model, pages, max_num_seqs=4)
     first = _admit(kv, config, 1, tokens, W)
     _prefill(runner, first, 64)
     kv.commit_full_pages(1, tokens, b"salt")

@@ -6,7 +6,7 @@ import pytest
 import torch
 from kvstore_helpers import official_layout, tiny_layout
 
-from kvstore import KVCacheManager, pages_for_bytes
+from kvstore import open_local_kv, pages_for_bytes
 from kvstore.device.device_pool import DevicePool
 
 
@@ -18,8 +18,8 @@ from kvstore.device.device_pool import DevicePool
 def test_measured_pool_bytes_per_token(make, per_token: int) -> None:
     layout = make()
     # A budget that is not a whole number of pages: the remainder is not allocated.
-    kv = KVCacheManager(layout, cache_bytes=5 * layout.page_bytes + 1000)
-    tensor = kv.memory.pages
+    kv, pool = open_local_kv(layout, cache_bytes=5 * layout.page_bytes + 1000)
+    tensor = pool.pages
     measured = tensor.numel() * tensor.element_size()
     capacity_tokens = kv.num_pages * layout.page_tokens
     assert kv.num_pages == 5
@@ -32,7 +32,7 @@ def test_pages_for_bytes_floors() -> None:
     assert pages_for_bytes(layout, layout.page_bytes - 1) == 0
     assert pages_for_bytes(layout, 3 * layout.page_bytes) == 3
     with pytest.raises(ValueError, match="holds no page"):
-        KVCacheManager(layout, cache_bytes=layout.page_bytes - 1)
+        open_local_kv(layout, cache_bytes=layout.page_bytes - 1)
 
 
 def test_source_views_partition_the_row() -> None:

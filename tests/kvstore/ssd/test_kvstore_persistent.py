@@ -13,7 +13,7 @@ import pytest
 import torch
 from kvstore_helpers import content_for, run_worker, tiny_layout
 
-from kvstore import KVCacheManager, PersistentStore
+from kvstore import DevicePool, KVCacheManager, PersistentStore, open_local_kv
 from kvstore.ssd.page_file import CHECKSUM_BYTES, HEADER_BYTES
 
 LAYOUT = tiny_layout()
@@ -36,17 +36,19 @@ def hashes(written: tuple[Path, list[bytes]], tmp_path: Path) -> list[bytes]:
     return written[1]
 
 
-def _restore(kv_dir: Path, **kw: object) -> tuple[KVCacheManager, object]:
-    kv = KVCacheManager(LAYOUT, 16 * LAYOUT.page_bytes, kv_dir=kv_dir, kv_dir_bytes=10**9, **kw)
-    return kv, kv.plan_restore("q", TOKENS, "tenant")
+def _restore(kv_dir: Path, **kw: object) -> tuple[KVCacheManager, DevicePool, object]:
+    kv, pool = open_local_kv(
+        LAYOUT, 16 * LAYOUT.page_bytes, kv_dir=kv_dir, kv_dir_bytes=10**9, **kw
+    )
+    return kv, pool, kv.plan_restore("q", TOKENS, "tenant")
 
 
 def test_write_restart_find_read_back_identical(tmp_path: Path, hashes: list[bytes]) -> None:
-    kv, plan = _restore(tmp_path)
+    kv, pool, plan = _restore(tmp_path)
     assert plan.hit_tokens == plan.ssd_hit_tokens == 5 * PT
     assert plan.device_hit_tokens == 0 and plan.miss_tokens == 10
     for page, h in zip(plan.page_ids, hashes, strict=True):
-        assert torch.equal(kv.memory.pages[page], content_for(h, LAYOUT.page_bytes))
+        assert torch.equal(pool.pages[page], content_for(h, LAYOUT.page_bytes))
     s = kv.stats().ssd
     assert (s.files, s.reads, s.checksum_failures, s.skipped_files) == (5, 5, 0, 0)
     kv.close()
@@ -98,11 +100,11 @@ def test_damaged_file_before_restart_is_a_miss_never_a_wrong_page(
     path = victim.path(hashes[2])
     victim.close()
     damage(path, hashes[2])
-    kv, plan = _restore(tmp_path)
+    kv, pool, plan = _restore(tmp_path)
     # Pages 0 and 1 are served; the chain stops at the damaged page 2.
     assert plan.hit_tokens == 2 * PT
     for page, h in zip(plan.page_ids, hashes, strict=False):
-        assert torch.equal(kv.memory.pages[page], content_for(h, LAYOUT.page_bytes))
+        assert torch.equal(pool.pages[page], content_for(h, LAYOUT.page_bytes))
     s = kv.stats().ssd
     if counter is not None:
         assert getattr(s, counter) == 1
@@ -114,7 +116,7 @@ def test_damaged_file_before_restart_is_a_miss_never_a_wrong_page(
 def test_damage_after_start_is_detected_at_read(
     tmp_path: Path, hashes: list[bytes], fault: str
 ) -> None:
-    kv = KVCacheManager(LAYOUT, 16 * LAYOUT.page_bytes, kv_dir=tmp_path, kv_dir_bytes=10**9)
+    kv, _ = open_local_kv(LAYOUT, 16 * LAYOUT.page_bytes, kv_dir=tmp_path, kv_dir_bytes=10**9)
     assert kv.store is not None and len(kv.store) == 5
     path = kv.store.path(hashes[3])
     FAULTS[fault][0](path, hashes[3])
@@ -276,7 +278,7 @@ def test_uncreatable_directory_disables_writes(tmp_path: Path) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
     tokens = list(range(2 * PT + 1))
-    with KVCacheManager(LAYOUT, 8 * LAYOUT.page_bytes, kv_dir=blocker / "kv") as kv:
+    with open_local_kv(LAYOUT, 8 * LAYOUT.page_bytes, kv_dir=blocker / "kv") as (kv, _):
         plan = kv.plan_restore("a", tokens, "s")
         kv.allocate("a", len(tokens))
         assert kv.commit_full_pages("a", tokens, "s") == 2  # the device tier still caches
@@ -292,13 +294,13 @@ def test_pages_published_after_start_are_found_by_lookup(
     written: tuple[Path, list[bytes]], tmp_path: Path
 ) -> None:
     """A decode worker opened the directory before a prefill worker wrote into it."""
-    kv = KVCacheManager(LAYOUT, 16 * LAYOUT.page_bytes, kv_dir=tmp_path, kv_dir_bytes=10**9)
+    kv, pool = open_local_kv(LAYOUT, 16 * LAYOUT.page_bytes, kv_dir=tmp_path, kv_dir_bytes=10**9)
     assert kv.stats().ssd.files == 0
     shutil.copytree(written[0], tmp_path, dirs_exist_ok=True, copy_function=shutil.copy2)
     plan = kv.plan_restore("q", TOKENS, "tenant")
     assert plan.ssd_hit_tokens == 5 * PT
     for page, h in zip(plan.page_ids, written[1], strict=True):
-        assert torch.equal(kv.memory.pages[page], content_for(h, LAYOUT.page_bytes))
+        assert torch.equal(pool.pages[page], content_for(h, LAYOUT.page_bytes))
     s = kv.stats().ssd
     assert (s.discovered_files, s.files, s.bytes) == (5, 5, 5 * s.file_bytes)
     kv.close()
@@ -307,7 +309,7 @@ def test_pages_published_after_start_are_found_by_lookup(
 def test_a_corrupted_published_page_ends_the_hit_there(
     written: tuple[Path, list[bytes]], tmp_path: Path
 ) -> None:
-    kv = KVCacheManager(LAYOUT, 16 * LAYOUT.page_bytes, kv_dir=tmp_path, kv_dir_bytes=10**9)
+    kv, _ = open_local_kv(LAYOUT, 16 * LAYOUT.page_bytes, kv_dir=tmp_path, kv_dir_bytes=10**9)
     shutil.copytree(written[0], tmp_path, dirs_exist_ok=True, copy_function=shutil.copy2)
     _flip(kv.store.path(written[1][2]), HEADER_BYTES + 7)
     truncated = kv.store.path(written[1][4])
@@ -320,7 +322,7 @@ def test_a_corrupted_published_page_ends_the_hit_there(
 
 
 def test_wait_published_counts_the_durable_head_of_a_chain(tmp_path: Path) -> None:
-    kv = KVCacheManager(LAYOUT, 16 * LAYOUT.page_bytes, kv_dir=tmp_path, kv_dir_bytes=10**9)
+    kv, _ = open_local_kv(LAYOUT, 16 * LAYOUT.page_bytes, kv_dir=tmp_path, kv_dir_bytes=10**9)
     kv.plan_restore("w", TOKENS, "tenant")
     kv.allocate("w", len(TOKENS))
     kv.commit_full_pages("w", TOKENS, "tenant")
@@ -330,7 +332,7 @@ def test_wait_published_counts_the_durable_head_of_a_chain(tmp_path: Path) -> No
     assert all(kv.store.path(h).stat().st_size == kv.store.file_bytes for h in chain)
     # A missing middle page cuts the usable chain there.
     kv.store.path(chain[1]).unlink()
-    other = KVCacheManager(LAYOUT, 16 * LAYOUT.page_bytes, kv_dir=tmp_path, kv_dir_bytes=10**9)
+    other, _ = open_local_kv(LAYOUT, 16 * LAYOUT.page_bytes, kv_dir=tmp_path, kv_dir_bytes=10**9)
     assert other.wait_published(chain) == 1
     # Publishing again rewrites what the device still holds.
     kv.store._drop(chain[1])  # the tier forgot it (as after an eviction)

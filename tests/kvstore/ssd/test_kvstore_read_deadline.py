@@ -14,7 +14,7 @@ import pytest
 from kvstore_helpers import fill_and_commit, tiny_layout
 
 import kvstore.ssd.persistent as persistent
-from kvstore import KVCacheManager, chain_hashes
+from kvstore import LocalKV, chain_hashes, open_local_kv
 from kvstore.ssd.deadline_reader import DeadlineReader
 
 LAYOUT = tiny_layout()
@@ -24,15 +24,15 @@ HASHES = chain_hashes(TOKENS, "s", PT)
 T = TypeVar("T")
 
 
-def _manager(kv_dir: Path) -> KVCacheManager:
-    return KVCacheManager(LAYOUT, 32 * LAYOUT.page_bytes, kv_dir=kv_dir, kv_dir_bytes=10**9)
+def _manager(kv_dir: Path) -> LocalKV:
+    return open_local_kv(LAYOUT, 32 * LAYOUT.page_bytes, kv_dir=kv_dir, kv_dir_bytes=10**9)
 
 
 @pytest.fixture
 def kv_dir(tmp_path: Path) -> Path:
     """A directory holding the 5 pages of ``TOKENS``."""
-    with _manager(tmp_path) as kv:
-        fill_and_commit(kv, "w", TOKENS, "s")
+    with _manager(tmp_path) as (kv, pool):
+        fill_and_commit(kv, pool, "w", TOKENS, "s")
     return tmp_path
 
 
@@ -53,7 +53,7 @@ def _bounded(fn: Callable[[], T], fifo: Path | None = None, limit: float = 10) -
 def test_a_fifo_at_a_page_path_is_a_miss_at_once(kv_dir: Path) -> None:
     # A page file replaced by a FIFO (as a hung NFS read would): open() used to wait
     # for a writer forever, in the engine's restore, and every later request behind it.
-    kv = _manager(kv_dir)
+    kv, _ = _manager(kv_dir)
     assert kv.store is not None and len(kv.store) == 5
     fifo = kv.store.path(HASHES[2])
     fifo.unlink()
@@ -71,12 +71,12 @@ def test_a_fifo_at_a_page_path_is_a_miss_at_once(kv_dir: Path) -> None:
 
 
 def test_a_fifo_is_never_opened_by_the_scan_or_a_lookup(kv_dir: Path) -> None:
-    with _manager(kv_dir) as kv:
+    with _manager(kv_dir) as (kv, _):
         assert kv.store is not None
         paths = [kv.store.path(h) for h in HASHES]
     paths[1].unlink()
     os.mkfifo(paths[1])
-    kv, seconds = _bounded(lambda: _manager(kv_dir), paths[1])
+    kv, seconds = _bounded(lambda: _manager(kv_dir).manager, paths[1])
     assert kv.store is not None and seconds < 5.0
     assert (kv.stats().ssd.files, kv.stats().ssd.skipped_files) == (4, 1)
     # A FIFO appearing where a lookup checks for a page another process published.
@@ -88,7 +88,7 @@ def test_a_fifo_is_never_opened_by_the_scan_or_a_lookup(kv_dir: Path) -> None:
 
 @pytest.mark.parametrize("kind", ["directory", "symlink"])
 def test_a_directory_or_symlink_at_a_page_path_is_a_miss(kv_dir: Path, kind: str) -> None:
-    kv = _manager(kv_dir)
+    kv, _ = _manager(kv_dir)
     assert kv.store is not None
     path = kv.store.path(HASHES[3])
     target = path.with_name("elsewhere.bin")
@@ -109,7 +109,7 @@ def test_a_hung_read_is_a_miss_after_the_deadline_and_never_queues_others(
 ) -> None:
     # A regular file whose read never returns (a hard-mounted NFS server gone away):
     # simulated by holding the read of page 2 until the test releases it.
-    kv = _manager(kv_dir)
+    kv, _ = _manager(kv_dir)
     assert kv.store is not None
     kv.store.read_timeout_s = 0.3
     release = threading.Event()
