@@ -27,6 +27,7 @@ from engine_helpers import (
 )
 
 from engine.api.async_engine import AsyncEngine
+from engine.api.errors import RequestError
 from engine.api.request import Request
 from engine.config import EngineConfig
 from engine.model.deepseek_v41.reference import ReplayPlan, forward
@@ -152,5 +153,5 @@ def test_an_encoder_only_model_writes_the_same_pages(engine_model64):
         ids = [engine.kv.pool.lookup(h) for h in out.published_pages]
         pages.append(runner.inner.device_pages.pages[torch.tensor(ids)])
     assert len(ids) == 5 and torch.equal(pages[0], pages[1])
-    with pytest.raises(ValueError, match="prefill worker"):
+    with pytest.raises(RequestError, match="prefill worker"):
         engine.add_request(Request("n", tokens, greedy(1)))
