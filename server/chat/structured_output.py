@@ -51,8 +51,8 @@ from xgrammar.structural_tag import (
     TagFormat,
 )
 
+from engine.api.special_tokens import DSML, THINK_END, THINK_START
 from server.chat.schema_check import schema_problem
-from server.chat.tool_calls import DSML, THINK_END, THINK_START
 from server.http.errors import APIError
 from server.openai.protocol import NamedToolChoice, ResponseFormat, Tool
 

@@ -18,10 +18,10 @@ from fastapi import Request as HttpRequest
 from fastapi.responses import Response
 
 from engine.api.request import Request
+from engine.api.special_tokens import DSML, THINK_END, THINK_START
 from server.chat.chat_encoding import ASSISTANT, encode_chat, ends_inside_reasoning
 from server.chat.chat_output import ChatOutputParser
 from server.chat.structured_output import GrammarMaskProvider
-from server.chat.tool_calls import DSML, THINK_END, THINK_START
 from server.http.auth import tenant_salt
 from server.http.errors import APIError, server_error
 from server.http.sse import DONE, KEEP_ALIVE, EventStreamResponse, event
