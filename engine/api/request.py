@@ -17,6 +17,17 @@ class RequestError(ValueError):
     ends that request with it and keeps serving the others."""
 
 
+class GrammarError(RequestError):
+    """A request's grammar cannot be built from its spec, did not compile in time, or
+    does not accept the prompt's prefix. ``param``: the API field to name; ``status``:
+    400, or 503 when every grammar worker stayed busy past the timeout."""
+
+    def __init__(self, message: str, *, param: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.param = param
+        self.status = status
+
+
 @dataclass(slots=True)
 class Request:
     """A prompt (token ids) and how to continue it.

@@ -52,6 +52,6 @@ class RequestLimits:
             )
         if params.stop and not self.has_tokenizer:
             raise ValueError("SamplingParams.stop: stop strings need a tokenizer")
-        if params.n > 1 and params.mask_provider is not None:
-            # A provider holds one sequence's parse state.
-            raise ValueError("SamplingParams.n: a mask provider serves one sequence (n = 1)")
+        if params.n > 1 and params.structured is not None:
+            # The server asks one engine request per choice under a grammar.
+            raise ValueError("SamplingParams.n: a structured output serves one sequence (n = 1)")

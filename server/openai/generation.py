@@ -24,8 +24,14 @@ from tokenizers import Tokenizer
 
 from engine.api.async_engine import EngineDeadError
 from engine.api.core_client import EngineClient
-from engine.api.request import CompletionOutput, Request, RequestOutput, TokenLogprob, Usage
-from server.chat.structured_output import StructuredOutputCompiler
+from engine.api.request import (
+    CompletionOutput,
+    GrammarError,
+    Request,
+    RequestOutput,
+    TokenLogprob,
+    Usage,
+)
 from server.disagg.handover import (
     ARRIVAL_HEADER,
     HANDOVER_HEADER,
@@ -89,7 +95,6 @@ class ServingContext:
     metrics: ServerMetrics
     tokenizer: Tokenizer
     token_texts: TokenTexts
-    structured: StructuredOutputCompiler
     admission: Admission = field(default_factory=Admission)
 
     # Worker threads for tokenisation and request planning (``offload``).
@@ -194,6 +199,8 @@ def engine_error(exc: BaseException) -> APIError:
         # Its text names the failed step's exception: for the log, not the client.
         logger.warning("request refused: %s", exc)
         return unavailable("The engine is not running")
+    if isinstance(exc, GrammarError):  # the engine could not build the request's grammar
+        return APIError(exc.status, str(exc), param=exc.param)
     if isinstance(exc, ValueError):
         return request_error(str(exc))
     logger.error("engine request failed", exc_info=exc)
@@ -249,14 +256,25 @@ class Generation:
         self.prompt_scores: dict[int, list[TokenLogprob]] = {}
         self._open = len(calls)
         self._closed = False
+        # Per call under a grammar: resolved by its first output (the engine compiled the
+        # grammar) or its error.
+        loop = asyncio.get_running_loop()
+        self._grammar_ready: dict[int, asyncio.Future[None]] = {
+            k: loop.create_future()
+            for k, c in enumerate(self._calls)
+            if c.request.sampling_params.structured is not None
+        }
         self._tasks = [
             asyncio.create_task(self._pump(k, call)) for k, call in enumerate(self._calls)
         ]
 
     async def _pump(self, k: int, call: EngineCall) -> None:
         token_times: list[float] = []
+        ready = self._grammar_ready.get(k)
         try:
             async for out in self._ctx.engine.generate(call.request):
+                if ready is not None and not ready.done():
+                    ready.set_result(None)
                 if out.metrics.last_token_time is not None and any(
                     o.token_ids for o in out.outputs
                 ):
@@ -266,7 +284,18 @@ class Generation:
                     self._observe_handover(call, out)
                 self._queue.put_nowait((k, out))
         except Exception as exc:  # CancelledError is not one: closing stays silent
+            if ready is not None and not ready.done():
+                ready.set_exception(exc)
             self._queue.put_nowait((k, exc))
+
+    async def grammars_ready(self) -> None:
+        """Wait until the engine has compiled every call's grammar; the API error of the
+        first that it could not build (bounded by the engine's grammar timeout)."""
+        for ready in self._grammar_ready.values():
+            try:
+                await ready
+            except Exception as exc:
+                raise engine_error(exc) from exc
 
     def _observe(self, out: RequestOutput, token_times: list[float]) -> None:
         m = out.metrics

@@ -173,6 +173,7 @@ def fake_engine(
     vocab_size: int = 64,
     next_token: Callable[[Sequence], int] | None = None,
     tokenizer=None,
+    grammars=None,
     **config,
 ) -> tuple[LLMEngine, CheckingRunner]:
     config.setdefault("page_tokens", 8)
@@ -186,6 +187,7 @@ def fake_engine(
         model_config=TINY,
         vocab_size=vocab_size,
         tokenizer=tokenizer,
+        grammars=grammars,
     )
     return engine, runner
 
