@@ -54,6 +54,12 @@ class EngineConfig:
     master_port: int = 0  # torch.distributed's port, the step channel one above; 0 = any free
     worker_timeout_s: float = 120.0  # one step (and each collective) at most; then it fails
     worker_threads: int | None = None  # torch threads per worker; None = torch's default
+    # Structured output (engine/structured_output/): one compilation's wall time
+    # (queueing included; longer: a 400), compiled grammars kept (LRU bytes), and
+    # compilations at once.
+    grammar_timeout_s: float = 10.0
+    grammar_cache_bytes: int = 256 << 20
+    grammar_workers: int = 2
 
     def __post_init__(self) -> None:
         for name in (
@@ -62,6 +68,8 @@ class EngineConfig:
             "prefill_chunk_tokens",
             "page_tokens",
             "kv_cache_bytes",
+            "grammar_cache_bytes",
+            "grammar_workers",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -69,6 +77,8 @@ class EngineConfig:
             raise ValueError("EngineConfig.replay_tokens must be >= 1 (or None)")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("EngineConfig.max_model_len must be >= 2 (or None)")
+        if not self.grammar_timeout_s > 0:
+            raise ValueError("EngineConfig.grammar_timeout_s must be > 0")
         if self.kv_dtype not in ("fp4", "bf16"):
             raise ValueError(f"EngineConfig.kv_dtype must be 'fp4' or 'bf16', got {self.kv_dtype}")
         if self.quantization not in ("auto", "none"):

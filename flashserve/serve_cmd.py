@@ -141,8 +141,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--preprocess-timeout",
         type=float,
         default=30.0,
-        help="seconds a request may spend tokenising and building its grammar (default "
-        "%(default)s)",
+        help="seconds a request may spend tokenising and planning (default %(default)s)",
     )
     limits.add_argument(
         "--grammar-timeout",
@@ -342,6 +341,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         seed=args.seed,
         enforce_eager=args.enforce_eager,
         cuda_graph_sizes=tuple(args.cuda_graph_sizes) if args.cuda_graph_sizes else None,
+        grammar_timeout_s=args.grammar_timeout,
+        grammar_cache_bytes=args.grammar_cache_bytes,
+        grammar_workers=args.grammar_workers,
     )
 
 
@@ -373,10 +375,7 @@ def server_settings(
         max_concurrent_sequences=args.max_concurrent_sequences or None,
         preprocess_workers=args.preprocess_workers,
         preprocess_timeout_s=args.preprocess_timeout,
-        grammar_timeout_s=args.grammar_timeout,
         max_grammar_schema_bytes=args.max_grammar_schema_bytes,
-        grammar_cache_bytes=args.grammar_cache_bytes,
-        grammar_workers=args.grammar_workers,
         health_stall_s=args.health_stall_timeout,
         body_read_timeout_s=args.body_timeout,
         prices=price_table(args),

@@ -22,7 +22,6 @@ from fastapi import Request as HttpRequest
 from fastapi.responses import Response
 
 from engine.api.core_client import EngineClient
-from server.chat.structured_output import GrammarLimits, StructuredOutputCompiler
 from server.disagg.prefill_worker import add_prefill_routes
 from server.http.auth import api_key_dependency
 from server.http.body_limit import BodySizeLimit
@@ -85,17 +84,6 @@ def create_app(engine: EngineClient, settings: ServerSettings | None = None) -> 
         ),
         tokenizer=tokenizer,
         token_texts=TokenTexts(tokenizer),
-        structured=StructuredOutputCompiler(
-            tokenizer,
-            vocab_size=engine.vocab_size,
-            eos_token_id=1 if engine.eos_token_id is None else engine.eos_token_id,
-            limits=GrammarLimits(
-                timeout_s=settings.grammar_timeout_s,
-                max_schema_bytes=settings.max_grammar_schema_bytes,
-                cache_bytes=settings.grammar_cache_bytes,
-                workers=settings.grammar_workers,
-            ),
-        ),
         admission=Admission(settings.max_concurrent_requests, settings.max_concurrent_sequences),
         pool=ThreadPoolExecutor(settings.preprocess_workers, thread_name_prefix="preprocess"),
     )

@@ -51,11 +51,9 @@ class ServerSettings:
     # Tokenisation and request planning run in worker threads, never on the event loop.
     preprocess_workers: int = 4
     preprocess_timeout_s: float = 30.0
-    # Grammar compilation: per-compile time, schema size, LRU cache bytes, workers.
-    grammar_timeout_s: float = 10.0
+    # JSON of the schemas one request may ask to enforce (checked before the engine
+    # compiles them; its own limits are EngineConfig.grammar_*).
     max_grammar_schema_bytes: int = 256 << 10
-    grammar_cache_bytes: int = 256 << 20
-    grammar_workers: int = 2
     # /health answers 503 when requests are pending and the engine has not finished a
     # step (or an idle wait) for this long: a wedged engine fails its liveness probe.
     health_stall_s: float = 30.0
@@ -83,8 +81,6 @@ class ServerSettings:
             "max_sequences_per_request",
             "preprocess_workers",
             "max_grammar_schema_bytes",
-            "grammar_cache_bytes",
-            "grammar_workers",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"ServerSettings.{name} must be >= 1")
@@ -97,7 +93,6 @@ class ServerSettings:
             )
         for name in (
             "preprocess_timeout_s",
-            "grammar_timeout_s",
             "health_stall_s",
             "body_read_timeout_s",
         ):

@@ -8,19 +8,18 @@ how many queued sequences the core has taken. Outputs decode straight into the
 engine's own dataclasses (``CompletionOutput``, ``Usage`` ...); only an
 output's exception travels as text (``WireError``).
 
-A request's ``SamplingParams`` travel as their fields; its mask provider (a
-grammar matcher) as a pickle, since it is an object with state, not data.
+A request's ``SamplingParams`` travel as their fields, its structured-output
+spec among them (a schema's text: a few KB, compiled by the core itself).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import pickle
 from typing import Any
 
 import msgspec
 
-from engine.api.errors import RequestError
+from engine.api.errors import GrammarError, RequestError
 from engine.api.request import (
     CompletionOutput,
     Request,
@@ -30,7 +29,7 @@ from engine.api.request import (
     Usage,
 )
 from engine.api.request_limits import RequestLimits
-from engine.api.sampling_params import SamplingParams
+from engine.api.sampling_params import SamplingParams, StructuredOutputSpec
 from engine.core.llm_engine import EngineStats
 from kvstore.device.page_hash import salt_bytes
 
@@ -40,8 +39,7 @@ from kvstore.device.page_hash import salt_bytes
 class AddMsg(msgspec.Struct, tag="add", array_like=True):
     request_id: str
     prompt_token_ids: list[int]
-    params: dict[str, Any]  # SamplingParams' fields, the mask provider left out
-    mask_provider: bytes | None  # pickled
+    params: dict[str, Any]  # SamplingParams' fields (the spec as its fields)
     cache_salt: bytes  # the salt's bytes (what the page hashes use)
     priority: int
     arrival_time: float  # time.monotonic(): one clock for every process of the host
@@ -67,11 +65,13 @@ ToCore = AddMsg | AbortMsg | ShutdownMsg
 class WireError(msgspec.Struct, array_like=True):
     """An exception that ended one request: ``request`` (a ``RequestError``: its own
     fault, e.g. a field out of range or a dead grammar; ``param`` and the message are
-    for the client) or ``internal`` (a bug; the text is for the log)."""
+    for the client), ``grammar`` (its grammar could not be built: ``param`` and
+    ``status`` say what to answer) or ``internal`` (a bug; the text is for the log)."""
 
     kind: str
     message: str
     param: str | None = None
+    status: int = 400
 
 
 class WireOutput(msgspec.Struct, array_like=True):
@@ -134,17 +134,11 @@ FROM_CORE = msgspec.msgpack.Decoder(FromCore)
 
 def add_msg(request: Request, publish_timeout: float | None = None) -> AddMsg:
     params = request.sampling_params
-    fields = {
-        f.name: getattr(params, f.name)
-        for f in dataclasses.fields(params)
-        if f.name != "mask_provider"
-    }
-    provider = params.mask_provider
+    fields = {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
     return AddMsg(
         request_id=request.request_id,
         prompt_token_ids=request.prompt_token_ids,
         params=fields,
-        mask_provider=None if provider is None else pickle.dumps(provider),
         cache_salt=salt_bytes(request.cache_salt),
         priority=request.priority,
         arrival_time=request.arrival_time,
@@ -159,11 +153,12 @@ def request_of(msg: AddMsg) -> Request:
     # msgpack has no tuples and keeps int map keys: only logit_bias needs rebuilding.
     if fields.get("logit_bias") is not None:
         fields["logit_bias"] = {int(k): float(v) for k, v in fields["logit_bias"].items()}
-    provider = None if msg.mask_provider is None else pickle.loads(msg.mask_provider)
+    if fields.get("structured") is not None:
+        fields["structured"] = StructuredOutputSpec(**fields["structured"])
     return Request(
         request_id=msg.request_id,
         prompt_token_ids=msg.prompt_token_ids,
-        sampling_params=SamplingParams(**fields, mask_provider=provider),
+        sampling_params=SamplingParams(**fields),
         cache_salt=msg.cache_salt,
         priority=msg.priority,
         arrival_time=msg.arrival_time,
@@ -172,12 +167,16 @@ def request_of(msg: AddMsg) -> Request:
 
 
 def wire_error(exc: BaseException) -> WireError:
+    if isinstance(exc, GrammarError):
+        return WireError("grammar", exc.message, exc.param, exc.status)
     if isinstance(exc, RequestError):
         return WireError("request", exc.message, exc.param)
     return WireError("internal", repr(exc))
 
 
 def error_of(err: WireError) -> BaseException:
+    if err.kind == "grammar":
+        return GrammarError(err.message, param=err.param or "", status=err.status)
     if err.kind == "request":
         return RequestError(err.param, err.message)
     return RuntimeError(f"in the engine core: {err.message}")

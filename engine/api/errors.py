@@ -31,6 +31,27 @@ class RequestError(Exception):
         return f"RequestError({self.param!r}, {self.message!r})"
 
 
+class GrammarError(RequestError):
+    """A request's grammar cannot be built from its spec, did not compile in time, or
+    does not accept the prompt's prefix. ``param``: the API field to name; ``status``:
+    400, or 503 when every grammar worker stayed busy past the timeout. Its message is
+    the whole client text (it names the field itself)."""
+
+    def __init__(self, message: str, *, param: str, status: int = 400) -> None:
+        super().__init__(param, message)
+        self.status = status
+
+    def __str__(self) -> str:
+        return self.message
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_grammar_error, (self.message, self.param, self.status))
+
+
+def _grammar_error(message: str, param: str, status: int) -> GrammarError:
+    return GrammarError(message, param=param, status=status)
+
+
 class EngineDeadError(RuntimeError):
     """The engine stopped (shut down, or a step raised); it takes no more requests."""
 

@@ -41,9 +41,9 @@ class RequestLimits:
         self._check_prompt(request.prompt_token_ids)
         if params.stop and not self.has_tokenizer:
             raise RequestError("stop", "stop strings need a tokenizer")
-        if params.n > 1 and params.mask_provider is not None:
-            # A provider holds one sequence's parse state.
-            raise RequestError("n", "a mask provider serves one sequence (n = 1)")
+        if params.n > 1 and params.structured is not None:
+            # The server asks one engine request per choice under a grammar.
+            raise RequestError("n", "a structured output serves one sequence (n = 1)")
 
     def _check_prompt(self, prompt: list[int]) -> None:
         field = "prompt_token_ids"

@@ -1,4 +1,4 @@
-"""Per-request sampling parameters and the structured-output hook.
+"""Per-request sampling parameters and the structured-output spec.
 
 The server validates user input (pydantic) and builds one ``SamplingParams`` per
 request; ``validate`` only re-checks the invariants the sampler and detokenizer
@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Protocol
-
-import torch
+from typing import Literal
 
 from engine.api.errors import RequestError
 
@@ -23,30 +21,37 @@ MAX_TOP_LOGPROBS = 20
 GREEDY_TEMPERATURE = 1e-5
 
 
-class TokenMaskProvider(Protocol):
-    """Constrains one sequence's next token (a grammar matcher, e.g. xgrammar).
+@dataclass(frozen=True, slots=True)
+class StructuredOutputSpec:
+    """The output format a request must follow, as plain data: the engine compiles it
+    (engine/structured_output/) and matches every sampled token against it.
 
-    One provider per sequence: it holds that sequence's parse state. The sampler
-    only calls ``allowed_tokens``; whoever appends the sampled token to the
-    sequence calls ``accept`` (so rejected or discarded tokens never advance it)
-    and finishes the sequence once ``is_terminated``.
+    It crosses to an engine core process as these fields (a schema's few KB), never
+    as a compiled grammar. The server builds it from the API request and checks the
+    schemas first (server/chat/structured_output.py); what only compiling can tell
+    comes back as a ``GrammarError`` naming ``param`` (or ``prefix_param``).
+
+    - ``json_schema``: JSON text of the schema the answer satisfies, written compact
+      (``{"type":"object"}`` for any object); None: no JSON answer.
+    - ``tools``: JSON text of the functions a DSML calls block may call, as
+      ``[{"name", "description"?, "parameters"}]``; None: no calls.
+    - ``tool_choice`` (with tools): ``auto`` (a calls block may follow free text,
+      or replace the JSON answer), ``required`` (calls only) or ``function`` (one
+      call of ``function_name``).
+    - ``starts_in_reasoning``: the prompt ends inside ``<think>``: free reasoning
+      up to ``</think>`` comes first. ``prefix``: output text the prompt already
+      holds (a chat prefix), which the grammar must accept before the first token.
     """
 
-    def allowed_tokens(self) -> torch.Tensor | None:
-        """Allowed next tokens: bool ``[V']`` or an int32 bitmask ``[ceil(V'/32)]``.
-
-        Bit ``j`` of word ``i`` allows token ``32 i + j`` (xgrammar's layout).
-        Tokens at or beyond ``V'`` are disallowed. ``None``: no constraint now.
-        """
-        ...
-
-    def accept(self, token_id: int) -> None:
-        """Advance the parse state past ``token_id``."""
-        ...
-
-    def is_terminated(self) -> bool:
-        """The grammar is complete; the sequence must end."""
-        ...
+    json_schema: str | None = None
+    tools: str | None = None
+    tool_choice: Literal["auto", "required", "function"] = "auto"
+    function_name: str | None = None
+    parallel_tool_calls: bool = True
+    starts_in_reasoning: bool = False
+    prefix: str = ""
+    param: str = "response_format"  # the API field a schema problem names
+    prefix_param: str = "messages"  # the API field a prefix that does not fit names
 
 
 def _check(ok: bool, field_name: str, message: str) -> None:
@@ -79,7 +84,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     include_stop_str_in_output: bool = False
     n: int = 1
-    mask_provider: TokenMaskProvider | None = None
+    structured: StructuredOutputSpec | None = None  # None: free text
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ``RequestError`` naming the field if an invariant does not hold."""

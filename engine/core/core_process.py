@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import zmq
-from tokenizers import Tokenizer
 
 from engine.api import core_protocol as wire
 from engine.api.request import RequestOutput
@@ -39,15 +38,6 @@ IDLE_BEAT_S = 0.25
 # A busy core sends a StepMsg at least this often even when a step made no output
 # (long prefill chunks): the API side's heartbeat and stats stay fresh.
 BUSY_BEAT_S = 0.1
-
-
-_TOKENIZER: list[Tokenizer] = []  # this process's engine's tokenizer, once loaded
-
-
-def core_tokenizer() -> Tokenizer | None:
-    """The tokenizer of the engine this core process runs (what an unpickled mask
-    provider rebuilds its vocabulary view from); None outside a core."""
-    return _TOKENIZER[0] if _TOKENIZER else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,8 +140,6 @@ def run_core(spec: CoreSpec) -> None:
         core = _Core(engine, out, parent_pid=spec.parent_pid)
         engine.on_scheduled = core.report_queue
         tokenizer = engine.tokenizer
-        if tokenizer is not None:
-            _TOKENIZER.append(tokenizer)
         core.send(
             wire.ReadyMsg(
                 limits=engine.limits(),

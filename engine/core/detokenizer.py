@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from tokenizers import Tokenizer
 
 from engine.api.sampling_params import SamplingParams
+from engine.api.special_tokens import partial_tag_tail
 
 # Prompt tokens decoded before the first output token, so the first window
 # starts on a clean character boundary (vLLM uses the same 5).
@@ -126,7 +127,9 @@ class IncrementalDetokenizer:
             self._pending = ""
             self.finished = True
             return DetokDelta(delta.text, stopped=True, stop_reason=stop)
-        return self._emit(len(self._pending) - self._held_back(self._pending))
+        # No stop string is in the pending text (else it matched above): hold back
+        # the tail that could still become one.
+        return self._emit(len(self._pending) - partial_tag_tail(self._pending, self._stop))
 
     def _emit(self, end: int) -> DetokDelta:
         text, self._pending = self._pending[:end], self._pending[end:]
@@ -141,12 +144,3 @@ class IncrementalDetokenizer:
             if start >= 0 and (best is None or (start, len(stop)) < (best[0], len(best[1]))):
                 best = (start, stop)
         return best
-
-    def _held_back(self, text: str) -> int:
-        """Length of the longest tail of ``text`` that begins some stop string."""
-        longest = min(len(text), max(len(s) for s in self._stop) - 1)
-        for n in range(longest, 0, -1):
-            tail = text[-n:]
-            if any(s.startswith(tail) for s in self._stop):
-                return n
-        return 0

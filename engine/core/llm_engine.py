@@ -34,10 +34,16 @@ from engine.core.sequence import Sequence, SequenceStatus
 from engine.core.step import ModelRunner, StepBatch
 from engine.model.deepseek_v41.config import ModelConfig
 from engine.sample.sampler import Sampler, SeqHistory, make_generator
+from engine.structured_output.backend import GrammarBackend, GrammarJob, TokenMaskProvider
+from engine.structured_output.xgrammar_backend import GrammarLimits, StructuredOutputManager
 from kvstore.manager import KVManager
 from kvstore.stats import KVStats
 
 logger = logging.getLogger(__name__)
+
+# With nothing to run but grammars compiling, a step waits this long for one of them
+# (rather than spinning), so a new request or an abort still waits at most this.
+GRAMMAR_POLL_S = 0.005
 
 
 @dataclass(slots=True)
@@ -76,6 +82,7 @@ class _Choice:
     seq: Sequence
     detok: IncrementalDetokenizer | None
     generator: torch.Generator | None
+    grammar: TokenMaskProvider | None = None  # the sequence's parse state under a spec
     pending_text: str = ""
     pending_ids: list[int] = field(default_factory=list)
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -110,6 +117,7 @@ class LLMEngine:
         eos_token_id: int | None = None,
         clock: Callable[[], float] = time.monotonic,
         encoder_only: bool = False,
+        grammars: GrammarBackend | None = None,
     ) -> None:
         # Special tokens, vocabulary and context come from the model's config; tests
         # with a model-free runner may narrow the vocabulary or the context.
@@ -130,6 +138,19 @@ class LLMEngine:
             config, kv, model_config, self.replay_tokens, runner.release, clock
         )
         self.sampler = Sampler(eos_token_id)
+        # Structured output: specs compile in the backend's threads, with this engine's
+        # tokenizer; a request waits (unscheduled) in ``_awaiting`` until its grammar is.
+        if grammars is None and tokenizer is not None:
+            grammars = StructuredOutputManager(
+                tokenizer,
+                vocab_size,
+                1 if eos_token_id is None else eos_token_id,
+                GrammarLimits(
+                    config.grammar_timeout_s, config.grammar_cache_bytes, config.grammar_workers
+                ),
+            )
+        self.grammars = grammars
+        self._awaiting: dict[str, GrammarJob] = {}
         self.counters = EngineCounters()
         self._clock = clock
         self._requests: dict[str, _RequestState] = {}
@@ -177,9 +198,50 @@ class LLMEngine:
                 )
             generator = make_generator(params, index, self.config.device)
             choices.append(_Choice(seq, detok, generator))
-            self.scheduler.add(seq)
+        if params.structured is not None:
+            if self.grammars is None:
+                raise ValueError("SamplingParams.structured: structured output needs a tokenizer")
+            self._awaiting[request.request_id] = self.grammars.submit(params.structured)
         self._requests[request.request_id] = _RequestState(request, choices)
         self.counters.requests_added += 1
+        if params.structured is not None:
+            return
+        for choice in choices:
+            self.scheduler.add(choice.seq)
+
+    def _admit_grammars(self) -> None:
+        """Schedule the requests whose grammar is compiled, each choice with a matcher of
+        its own, and say so with an output that carries no text (the server answers only
+        then, so a grammar that fails is still an error status, not a broken stream); end
+        those whose grammar failed or is late."""
+        now = self._clock()
+        for rid, job in list(self._awaiting.items()):
+            state = self._requests[rid]
+            try:
+                if not job.ready(now):
+                    continue
+                matchers = [job.matcher() for _ in state.choices]
+            except Exception as exc:  # GrammarError: the request's own schema or prefix
+                self._pending_outputs.append(self._fail(rid, exc))
+                continue
+            del self._awaiting[rid]
+            for choice, matcher in zip(state.choices, matchers, strict=True):
+                choice.grammar = matcher
+                self.scheduler.add(choice.seq)
+            self._pending_outputs.append(self._output(state))
+
+    def _wait_for_grammars(self) -> None:
+        """Nothing else to run: wait a little for the oldest grammar still compiling."""
+        job = next(iter(self._awaiting.values()))
+        job.wait(GRAMMAR_POLL_S)
+
+    def _end_sequence(self, seq: Sequence) -> None:
+        """Take a sequence out of the scheduler (one still waiting for its grammar was
+        never handed to it)."""
+        if seq.request_id in self._awaiting:
+            seq.status = SequenceStatus.FINISHED
+        else:
+            self.scheduler.finish(seq)
 
     def _sequence(
         self, request: Request, prompt: list[int], index: int, prefill_only: bool = False
@@ -239,10 +301,13 @@ class LLMEngine:
                 continue
             if seq.status is SequenceStatus.RUNNING and not seq.in_prefill:
                 self._commit(seq)  # its written KV stays useful to the prefix cache
-            self.scheduler.finish(seq)
+            self._end_sequence(seq)
             seq.finish_reason = "abort"
             seq.finished = now
             choice.pending_text = ""  # held-back text is dropped with the request
+        job = self._awaiting.pop(request_id, None)
+        if job is not None:
+            job.cancel()
         if report:
             self._pending_outputs.append(self._output(state))
         self._count_finished(state)
@@ -258,11 +323,15 @@ class LLMEngine:
     # ------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
         started = time.perf_counter()
+        if self._awaiting:
+            self._admit_grammars()
         outputs, self._pending_outputs = self._pending_outputs, []
         batch = self.scheduler.schedule()
         if self.on_scheduled is not None:
             self.on_scheduled()
         if not batch:
+            if self._awaiting and not outputs:
+                self._wait_for_grammars()
             return outputs
         t0 = time.perf_counter()
         logits = self.runner.execute(batch)
@@ -307,8 +376,8 @@ class LLMEngine:
         return outputs
 
     def _fail(self, request_id: str, error: BaseException) -> RequestOutput:
-        """End every choice of a request whose own state failed (its mask provider,
-        stop handling or detokenizer raised): finish reason ``error``, pages freed,
+        """End every choice of a request whose own state failed (its grammar, stop
+        handling or detokenizer raised): finish reason ``error``, pages freed,
         the final output carrying ``error``. Other requests are not touched."""
         if not isinstance(error, RequestError):
             logger.error("request %s failed; the engine goes on", request_id, exc_info=error)
@@ -317,10 +386,11 @@ class LLMEngine:
         for choice in state.choices:
             seq = choice.seq
             if not seq.is_finished:
-                self.scheduler.finish(seq)
+                self._end_sequence(seq)
             seq.finish_reason = "error"
             seq.finished = now
             choice.pending_text = ""
+        self._awaiting.pop(request_id, None)
         out = self._output(state)
         out.error = error
         self._count_finished(state)
@@ -339,6 +409,7 @@ class LLMEngine:
             params,
             histories,
             [c.generator for c in choices],
+            [c.grammar for c in choices],
         )
         tokens = out.token_ids.tolist()
         chosen = out.logprobs.tolist() if out.logprobs is not None else []
@@ -375,8 +446,8 @@ class LLMEngine:
         choice.pending_ids.append(token)
         if logprob is not None:
             choice.pending_logprobs.append(logprob)
-        if params.mask_provider is not None:
-            params.mask_provider.accept(token)
+        if choice.grammar is not None:
+            choice.grammar.accept(token)
 
         reason = check_stop_token(token, params, self.eos_token_id)
         if reason is not None:
@@ -388,7 +459,7 @@ class LLMEngine:
             if delta.stopped:
                 seq.finish_reason, seq.stop_reason = "stop", delta.stop_reason
         if seq.finish_reason is None:
-            if params.mask_provider is not None and params.mask_provider.is_terminated():
+            if choice.grammar is not None and choice.grammar.is_terminated():
                 seq.finish_reason = "stop"
             elif (
                 seq.num_output_tokens >= params.max_tokens
@@ -518,3 +589,5 @@ class LLMEngine:
         if close is not None:  # first: it writes the pages its workers still hold
             close()
         self.kv.close()
+        if self.grammars is not None:
+            self.grammars.close()

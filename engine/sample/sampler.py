@@ -25,6 +25,7 @@ import torch
 
 from engine.api.errors import RequestError
 from engine.api.sampling_params import SamplingParams
+from engine.structured_output.backend import TokenMaskProvider
 
 _NEG_INF = float("-inf")
 
@@ -94,9 +95,9 @@ def allowed_token_mask(mask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 def apply_token_masks(
-    logits: torch.Tensor, params: Sequence[SamplingParams]
+    logits: torch.Tensor, masks: Sequence[TokenMaskProvider | None]
 ) -> dict[int, BaseException]:
-    """Set tokens a sequence's ``mask_provider`` disallows to -inf, in place.
+    """Set tokens a row's grammar matcher (``masks[row]``) disallows to -inf, in place.
 
     A provider that raises, or that allows no token at all (a grammar in a dead
     state, e.g. an empty language), fails its own row only: the row is returned
@@ -104,11 +105,11 @@ def apply_token_masks(
     engine ends that request with the error (docs/design/engine.md, "Faults").
     """
     failed: dict[int, BaseException] = {}
-    for row, p in enumerate(params):
-        if p.mask_provider is None:
+    for row, provider in enumerate(masks):
+        if provider is None:
             continue
         try:
-            mask = p.mask_provider.allowed_tokens()
+            mask = provider.allowed_tokens()
             if mask is None:
                 continue
             allowed = allowed_token_mask(mask, logits.shape[1]).to(logits.device)
@@ -305,15 +306,19 @@ class Sampler:
         params: Sequence[SamplingParams],
         histories: Sequence[SeqHistory],
         generators: Sequence[torch.Generator | None],
+        masks: Sequence[TokenMaskProvider | None] | None = None,
     ) -> SamplerOutput:
+        """One token per row; ``masks``: each row's grammar matcher (None: free text)."""
         batch = logits.shape[0]
         assert logits.dim() == 2, f"logits must be [B, V], got {tuple(logits.shape)}"
-        assert len(params) == len(histories) == len(generators) == batch
+        masks = [None] * batch if masks is None else masks
+        assert len(params) == len(histories) == len(generators) == len(masks) == batch
         # The caller's tensor stays untouched: copied only when a stage below writes
         # in place (a [32, 129280] copy is ~5 ms of a CPU step).
-        logits = logits.to(torch.float32, copy=any(_edits_in_place(p) for p in params))
+        edits = any(_edits_in_place(p) for p in params) or any(m is not None for m in masks)
+        logits = logits.to(torch.float32, copy=edits)
         apply_logit_bias(logits, params)
-        errors = apply_token_masks(logits, params)
+        errors = apply_token_masks(logits, masks)
         apply_min_tokens(logits, params, histories, self.eos_token_id)
         apply_penalties(logits, params, histories)
         # The distribution only when a row reports logprobs (its token's value and its
@@ -347,7 +352,6 @@ def _edits_in_place(p: SamplingParams) -> bool:
     """Whether a stage of ``sample`` writes into the logits row of ``p``."""
     return bool(
         p.logit_bias
-        or p.mask_provider is not None
         or p.min_tokens > 0
         or p.repetition_penalty != 1.0
         or p.frequency_penalty != 0.0

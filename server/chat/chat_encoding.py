@@ -25,7 +25,19 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from server.chat.tool_calls import THINK_END, THINK_START, render_tool_calls, render_tools, to_json
+from engine.api.special_tokens import (
+    ASSISTANT,
+    BOS,
+    EOS,
+    FIM_BEGIN,
+    FIM_END,
+    FIM_HOLE,
+    SYSTEM,
+    THINK_END,
+    THINK_START,
+    USER,
+)
+from server.chat.tool_calls import render_tool_calls, render_tools, to_json
 from server.http.errors import APIError
 from server.openai.protocol import (
     ChatMessage,
@@ -33,15 +45,6 @@ from server.openai.protocol import (
     ResponseFormat,
     Tool,
 )
-
-BOS = "<｜begin▁of▁sentence｜>"
-EOS = "<｜end▁of▁sentence｜>"
-SYSTEM = "<｜System｜>"
-USER = "<｜User｜>"
-ASSISTANT = "<｜Assistant｜>"
-FIM_HOLE = "<｜fim▁hole｜>"
-FIM_BEGIN = "<｜fim▁begin｜>"
-FIM_END = "<｜fim▁end｜>"
 
 REASONING_EFFORT_LINE = (
     "Reasoning Effort: {budget} "

@@ -11,15 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-THINK_END = "</think>"
-
-
-def _partial_tail(text: str, tag: str) -> int:
-    """Length of the longest tail of ``text`` that is a proper prefix of ``tag``."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
+from engine.api.special_tokens import THINK_END, partial_tag_tail
 
 
 @dataclass(slots=True)
@@ -38,7 +30,7 @@ class ReasoningParser:
             self.in_reasoning = False
             self._held = ""
             return buf[:end], buf[end + len(THINK_END) :]
-        keep = _partial_tail(buf, THINK_END)
+        keep = partial_tag_tail(buf, [THINK_END])
         self._held = buf[len(buf) - keep :]
         return buf[: len(buf) - keep], ""
 

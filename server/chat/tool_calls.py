@@ -27,15 +27,17 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-DSML = "｜DSML｜"
-CALLS_OPEN = f"<{DSML} calls>"
-CALLS_CLOSE = f"</{DSML} calls>"
-INVOKE_OPEN = f'<{DSML} invoke name="'  # + name + '">'
-INVOKE_CLOSE = f"</{DSML} invoke>"
-PARAM_OPEN = f'<{DSML} parameter name="'  # + key + '" string="true|false">'
-PARAM_CLOSE = f"</{DSML} parameter>"
-THINK_START = "<think>"
-THINK_END = "</think>"
+from engine.api.special_tokens import (
+    CALLS_CLOSE,
+    CALLS_OPEN,
+    INVOKE_CLOSE,
+    INVOKE_OPEN,
+    PARAM_CLOSE,
+    PARAM_OPEN,
+    THINK_END,
+    THINK_START,
+    partial_tag_tail,
+)
 
 # The V4.1 tool block, as the model was trained on it (DeepSeek's encoding/encoding.py).
 TOOLS_TEMPLATE = """## Tools
@@ -174,17 +176,6 @@ class _State(Enum):
 _PARAM_HEADER = re.compile(re.escape(PARAM_OPEN) + r'([^"]*)"(?: string="(true|false)")?>')
 
 
-def _held_prefix(text: str, *tags: str) -> int:
-    """Length of the longest tail of ``text`` that could begin one of ``tags``."""
-    best = 0
-    for tag in tags:
-        for n in range(min(len(tag) - 1, len(text)), best, -1):
-            if text.endswith(tag[:n]):
-                best = n
-                break
-    return best
-
-
 def _json_value(raw: str) -> str:
     """A non-string parameter as JSON; text that is not JSON is kept as a string."""
     try:
@@ -280,7 +271,7 @@ class ToolCallParser:
             self._state = _State.CALLS
             return True
         # Hold back a possible start of the block and the whitespace before it.
-        safe = buf[: len(buf) - _held_prefix(buf, CALLS_OPEN)].rstrip()
+        safe = buf[: len(buf) - partial_tag_tail(buf, [CALLS_OPEN])].rstrip()
         out.content += self._take_content(safe)
         self._buf = buf[len(safe) :]
         return False
@@ -309,7 +300,7 @@ class ToolCallParser:
             self._has_param = False
             return True
         # Text between invokes is not part of any call.
-        self._buf = buf[len(buf) - _held_prefix(buf, INVOKE_OPEN, CALLS_CLOSE) :]
+        self._buf = buf[len(buf) - partial_tag_tail(buf, [INVOKE_OPEN, CALLS_CLOSE]) :]
         return False
 
     def _step_invoke(self, out: ParseDelta) -> bool:
@@ -336,7 +327,7 @@ class ToolCallParser:
             self._buf = buf[header.end() :]
             self._state = _State.PARAM
             return True
-        self._buf = buf[len(buf) - _held_prefix(buf, PARAM_OPEN, INVOKE_CLOSE) :]
+        self._buf = buf[len(buf) - partial_tag_tail(buf, [PARAM_OPEN, INVOKE_CLOSE]) :]
         return False
 
     def _step_param(self, out: ParseDelta) -> bool:
@@ -347,7 +338,7 @@ class ToolCallParser:
             self._buf = buf[at + len(PARAM_CLOSE) :]
             self._state = _State.INVOKE
             return True
-        keep = _held_prefix(buf, PARAM_CLOSE)
+        keep = partial_tag_tail(buf, [PARAM_CLOSE])
         piece, self._buf = buf[: len(buf) - keep], buf[len(buf) - keep :]
         if self._param_is_string:
             self._emit(out, to_json(piece)[1:-1])  # JSON escaping is per character

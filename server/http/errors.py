@@ -23,7 +23,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from engine.api.errors import EngineDeadError, RequestError
+from engine.api.errors import EngineDeadError, GrammarError, RequestError
 
 logger = logging.getLogger(__name__)
 
@@ -150,6 +150,8 @@ def from_engine_error(exc: BaseException, prompt_param: str = "messages") -> API
     its range). ``EngineDeadError`` is a 503; anything else is a bug: a 500, logged."""
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, GrammarError):  # the engine could not build the request's grammar
+        return APIError(exc.status, exc.message, param=exc.param)
     if isinstance(exc, RequestError):
         if exc.param is None:
             return invalid_request(exc.message)

@@ -24,7 +24,6 @@ from tokenizers import Tokenizer
 from engine.api.core_client import EngineClient
 from engine.api.errors import RequestError
 from engine.api.request import CompletionOutput, Request, RequestOutput, TokenLogprob, Usage
-from server.chat.structured_output import StructuredOutputCompiler
 from server.disagg.handover import (
     ARRIVAL_HEADER,
     HANDOVER_HEADER,
@@ -92,7 +91,6 @@ class ServingContext:
     metrics: ServerMetrics
     tokenizer: Tokenizer
     token_texts: TokenTexts
-    structured: StructuredOutputCompiler
     admission: Admission = field(default_factory=Admission)
 
     # Worker threads for tokenisation and request planning (``offload``).
@@ -234,14 +232,25 @@ class Generation:
         self.prompt_scores: dict[int, list[TokenLogprob]] = {}
         self._open = len(calls)
         self._closed = False
+        # Per call under a grammar: resolved by its first output (the engine compiled the
+        # grammar) or its error.
+        loop = asyncio.get_running_loop()
+        self._grammar_ready: dict[int, asyncio.Future[None]] = {
+            k: loop.create_future()
+            for k, c in enumerate(self._calls)
+            if c.request.sampling_params.structured is not None
+        }
         self._tasks = [
             asyncio.create_task(self._pump(k, call)) for k, call in enumerate(self._calls)
         ]
 
     async def _pump(self, k: int, call: EngineCall) -> None:
         token_times: list[float] = []
+        ready = self._grammar_ready.get(k)
         try:
             async for out in self._ctx.engine.generate(call.request):
+                if ready is not None and not ready.done():
+                    ready.set_result(None)
                 if out.metrics.last_token_time is not None and any(
                     o.token_ids for o in out.outputs
                 ):
@@ -251,7 +260,18 @@ class Generation:
                     self._observe_handover(call, out)
                 self._queue.put_nowait((k, out))
         except Exception as exc:  # CancelledError is not one: closing stays silent
+            if ready is not None and not ready.done():
+                ready.set_exception(exc)
             self._queue.put_nowait((k, exc))
+
+    async def grammars_ready(self) -> None:
+        """Wait until the engine has compiled every call's grammar; the API error of the
+        first that it could not build (bounded by the engine's grammar timeout)."""
+        for ready in self._grammar_ready.values():
+            try:
+                await ready
+            except Exception as exc:
+                raise from_engine_error(exc, self._prompt_param) from exc
 
     def _observe(self, out: RequestOutput, token_times: list[float]) -> None:
         m = out.metrics

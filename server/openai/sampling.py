@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from engine.api.sampling_params import SamplingParams, TokenMaskProvider
+from engine.api.sampling_params import SamplingParams, StructuredOutputSpec
 from server.http.errors import invalid_parameter, invalid_request
 from server.openai.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -68,7 +68,7 @@ def sampling_params(
     bias: dict[int, float],
     banned: Iterable[int] = (),
     seed_offset: int = 0,
-    mask_provider: TokenMaskProvider | None = None,
+    structured: StructuredOutputSpec | None = None,
     prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """``n`` choices of ``body``; ``seed_offset`` seeds choice ``k`` of a split request as
@@ -90,5 +90,5 @@ def sampling_params(
         max_tokens=max_tokens,
         stop=body.stop_list,
         n=n,
-        mask_provider=mask_provider,
+        structured=structured,
     )

@@ -98,6 +98,11 @@ async def serve(
     gen = Generation(
         ctx, calls, prompt_param=prompt_param, routed=routed_of(ctx, http_request.headers)
     )
+    try:  # the engine compiles the grammars: a schema it cannot build is still a 4xx
+        await gen.grammars_ready()
+    except BaseException:
+        await gen.close()
+        raise
     if stream:
         events = _events(ctx, gen, builder, framing, log_id)
         return EventStreamResponse(events, on_close=gen.close)

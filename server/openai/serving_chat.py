@@ -17,10 +17,11 @@ from fastapi import Request as HttpRequest
 from fastapi.responses import Response
 
 from engine.api.request import Request
+from engine.api.sampling_params import StructuredOutputSpec
+from engine.api.special_tokens import DSML, THINK_END, THINK_START
 from server.chat.chat_encoding import ASSISTANT, encode_chat, ends_inside_reasoning
 from server.chat.chat_output import ChatOutputParser
-from server.chat.structured_output import GrammarMaskProvider
-from server.chat.tool_calls import DSML, THINK_END, THINK_START
+from server.chat.structured_output import structured_output_spec
 from server.http.auth import tenant_salt
 from server.http.sse import event
 from server.openai.generation import ChoiceUpdate, EngineCall, Generation, ServingContext
@@ -64,7 +65,7 @@ async def create_chat_completion(
     http_request: HttpRequest,
 ) -> Response:
     check_fan_out(ctx, body.n, 1)
-    # Tokenising and grammar compilation happen off the event loop (ServingContext.offload).
+    # Tokenising happens off the event loop (ServingContext.offload).
     plan = await ctx.offload(plan_chat, ctx, body, api_key)
     return await serve(
         ctx,
@@ -196,15 +197,15 @@ def plan_chat(ctx: ServingContext, body: ChatCompletionRequest, api_key: str | N
     starts_in_reasoning = thinking and ends_inside_reasoning(prompt)
     uses_tools = bool(body.tools) and tool_choice != "none"
 
-    def grammar() -> GrammarMaskProvider | None:
-        return ctx.structured.for_request(
-            response_format=body.response_format,
-            tools=body.tools if uses_tools else None,
-            tool_choice=tool_choice if uses_tools else None,
-            parallel_tool_calls=body.parallel_tool_calls,
-            starts_in_reasoning=starts_in_reasoning,
-            prefix=answer_prefix(prompt, starts_in_reasoning) if body.prefix_completion else "",
-        )
+    grammar = structured_output_spec(
+        ctx.settings.max_grammar_schema_bytes,
+        response_format=body.response_format,
+        tools=body.tools if uses_tools else None,
+        tool_choice=tool_choice if uses_tools else None,
+        parallel_tool_calls=body.parallel_tool_calls,
+        starts_in_reasoning=starts_in_reasoning,
+        prefix=answer_prefix(prompt, starts_in_reasoning) if body.prefix_completion else "",
+    )
 
     # tool_choice "none" with tools listed: the calls block cannot start.
     dsml_id = ctx.tokenizer.token_to_id(DSML)
@@ -213,7 +214,7 @@ def plan_chat(ctx: ServingContext, body: ChatCompletionRequest, api_key: str | N
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     salt = tenant_salt(api_key, body.cache_salt)
 
-    def call(k: int, n: int, mask: GrammarMaskProvider | None) -> EngineCall:
+    def call(k: int, n: int, spec: StructuredOutputSpec | None) -> EngineCall:
         params = sampling_params(
             body,
             max_tokens=max_tokens,
@@ -223,16 +224,15 @@ def plan_chat(ctx: ServingContext, body: ChatCompletionRequest, api_key: str | N
             bias=bias,
             banned=banned,
             seed_offset=k,
-            mask_provider=mask,
+            structured=spec,
             prompt_logprobs=body.prompt_logprobs if k == 0 else None,  # one call scores it
         )
         return EngineCall(Request(f"{request_id}-{k}", ids, params, cache_salt=salt), k)
 
-    first = grammar()
-    if first is None:
+    if grammar is None:
         calls = [call(0, body.n, None)]
-    else:  # a grammar follows one sequence: one engine request per choice
-        calls = [call(k, 1, first if k == 0 else grammar()) for k in range(body.n)]
+    else:  # one engine request per choice, each with its grammar (compiled once)
+        calls = [call(k, 1, grammar) for k in range(body.n)]
     return ChatPlan(
         id=request_id,
         created=int(time.time()),

@@ -184,6 +184,7 @@ def fake_engine(
     vocab_size: int = 64,
     next_token: Callable[[Sequence], int] | None = None,
     tokenizer=None,
+    grammars=None,
     **config,
 ) -> tuple[LLMEngine, CheckingRunner]:
     config.setdefault("page_tokens", 8)
@@ -197,6 +198,7 @@ def fake_engine(
         model_config=TINY,
         vocab_size=vocab_size,
         tokenizer=tokenizer,
+        grammars=grammars,
     )
     return engine, runner
 

@@ -16,7 +16,7 @@ from engine_helpers import fake_engine, greedy, run_to_completion, token_stream
 from engine.api.async_engine import AsyncEngine, RequestFailedError
 from engine.api.errors import RequestError
 from engine.api.request import Request
-from engine.api.sampling_params import SamplingParams
+from engine.api.sampling_params import SamplingParams, StructuredOutputSpec
 from engine.sample.sampler import apply_token_masks
 
 VOCAB = 64
@@ -50,13 +50,40 @@ class ScriptedMask:
         return False
 
 
+class ScriptedGrammars:
+    """A grammar backend whose jobs are ready at once and hand out ``masks`` in turn,
+    one per request (a request's own grammar state, as the engine keeps it)."""
+
+    def __init__(self, *masks: ScriptedMask) -> None:
+        self.masks = list(masks)
+
+    def submit(self, spec: StructuredOutputSpec) -> ScriptedGrammars:
+        return self
+
+    def ready(self, now: float) -> bool:
+        return True
+
+    def matcher(self) -> ScriptedMask:
+        return self.masks.pop(0)
+
+    def cancel(self) -> None:
+        pass
+
+    def wait(self, timeout: float) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+# What the request asks for is the backend's business: any spec will do.
+SPEC = StructuredOutputSpec(json_schema='{"type":"object"}')
+
+
 def test_a_dead_mask_row_fails_alone_and_is_left_unmasked() -> None:
     logits = torch.zeros(2, VOCAB)
-    params = [
-        SamplingParams(mask_provider=ScriptedMask("empty", ok_steps=0)),
-        SamplingParams(mask_provider=ScriptedMask("empty", ok_steps=5)),
-    ]
-    failed = apply_token_masks(logits, params)
+    masks = [ScriptedMask("empty", ok_steps=0), ScriptedMask("empty", ok_steps=5)]
+    failed = apply_token_masks(logits, masks)
     assert list(failed) == [0] and isinstance(failed[0], RequestError)
     assert "allows no next token" in str(failed[0])
     assert torch.equal(logits, torch.zeros(2, VOCAB))  # nothing masked: row 1 allows all
@@ -69,9 +96,9 @@ def test_a_failing_request_ends_with_an_error_and_the_others_run_on(fault: str) 
     expected = token_stream(run_to_completion(alone)["good"])
     assert len(expected) == 6
 
-    engine, _ = fake_engine(vocab_size=VOCAB)
+    engine, _ = fake_engine(vocab_size=VOCAB, grammars=ScriptedGrammars(ScriptedMask(fault)))
     engine.add_request(Request("good", list(range(3, 20)), greedy(6)))
-    bad = SamplingParams(max_tokens=6, ignore_eos=True, mask_provider=ScriptedMask(fault))
+    bad = SamplingParams(max_tokens=6, ignore_eos=True, structured=SPEC)
     engine.add_request(Request("bad", list(range(5, 30)), bad))
     outputs = run_to_completion(engine)
 
@@ -90,12 +117,13 @@ def test_a_failing_request_ends_with_an_error_and_the_others_run_on(fault: str) 
 
 
 def test_async_engine_raises_the_request_error_and_keeps_running() -> None:
-    engine, _ = fake_engine(vocab_size=VOCAB)
+    grammars = ScriptedGrammars(ScriptedMask("empty"), ScriptedMask("raise"))
+    engine, _ = fake_engine(vocab_size=VOCAB, grammars=grammars)
     ae = AsyncEngine(engine.config, engine=engine)
     try:
 
         async def run() -> list[int]:
-            bad = SamplingParams(max_tokens=6, mask_provider=ScriptedMask("empty"))
+            bad = SamplingParams(max_tokens=6, structured=SPEC)
             with pytest.raises(RequestError):
                 async for _ in ae.generate(Request("bad", [5, 6, 7], bad)):
                     pass
@@ -106,7 +134,7 @@ def test_async_engine_raises_the_request_error_and_keeps_running() -> None:
         assert len(asyncio.run(asyncio.wait_for(run(), 10))) == 4
 
         async def bug() -> None:  # not the request's fault: a generic error, cause chained
-            bad = SamplingParams(max_tokens=6, mask_provider=ScriptedMask("raise"))
+            bad = SamplingParams(max_tokens=6, structured=SPEC)
             with pytest.raises(RequestFailedError) as info:
                 async for _ in ae.generate(Request("bug", [5, 6, 7], bad)):
                     pass

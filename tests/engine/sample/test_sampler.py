@@ -247,21 +247,21 @@ def test_mask_is_applied_after_logit_bias() -> None:
     vocab = 8
     provider = FixedMask(_bool_mask(vocab, [1, 4]))
     logits = torch.zeros(2, vocab)
-    params = [SamplingParams(logit_bias={0: 100.0}, mask_provider=provider), SamplingParams()]
+    params = [SamplingParams(logit_bias={0: 100.0}), SamplingParams()]
     apply_logit_bias(logits, params)
-    apply_token_masks(logits, params)
+    apply_token_masks(logits, [provider, None])
     assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [1, 4]
     assert torch.isfinite(logits[1]).all()
-    apply_token_masks(logits, [SamplingParams(mask_provider=FixedMask(None))] * 2)  # no-op
+    apply_token_masks(logits, [FixedMask(None)] * 2)  # no-op
 
 
 def test_sampler_never_picks_a_masked_token_and_does_not_accept() -> None:
     vocab = 16
     provider = FixedMask(_bool_mask(vocab, [3, 11]))
-    params = SamplingParams(logit_bias={5: 50.0}, mask_provider=provider, logprobs=0)
+    params = SamplingParams(logit_bias={5: 50.0}, logprobs=0)
     logits = torch.randn(200, vocab, generator=torch.Generator().manual_seed(0))
     torch.manual_seed(0)
-    out = Sampler().sample(logits, [params] * 200, _empty(200), [None] * 200)
+    out = Sampler().sample(logits, [params] * 200, _empty(200), [None] * 200, [provider] * 200)
     assert set(out.token_ids.tolist()) == {3, 11}
     # Logprobs are over the allowed tokens only.
     expected = logits[:, [3, 11]].double().log_softmax(dim=1)
@@ -303,8 +303,8 @@ def test_top_logprobs_under_a_mask_list_only_allowed_tokens() -> None:
     hand-computed logprobs over the allowed set; masked tokens never appear."""
     logits = torch.tensor([[0.0, 2.0, 9.0, 1.0, 5.0, 0.5]])
     provider = FixedMask(_bool_mask(6, [1, 3]))
-    params = [SamplingParams(temperature=0.0, logprobs=5, mask_provider=provider)]
-    out = Sampler().sample(logits, params, _empty(), [None])
+    params = [SamplingParams(temperature=0.0, logprobs=5)]
+    out = Sampler().sample(logits, params, _empty(), [None], [provider])
     assert out.top_logprobs is not None
     (top,) = out.top_logprobs
     z = math.log(math.exp(2.0) + math.exp(1.0))
@@ -342,10 +342,9 @@ def test_min_tokens_forbids_eos_and_stop_ids() -> None:
         SeqHistory([], []),
     ]
     # Row 3's grammar allows only EOS: the grammar wins over min_tokens.
-    params[3] = SamplingParams(
-        temperature=0.0, min_tokens=2, mask_provider=FixedMask(_bool_mask(5, [1]))
-    )
-    out = Sampler(eos_token_id=1).sample(logits, params, histories, [None] * 4)
+    params[3] = SamplingParams(temperature=0.0, min_tokens=2)
+    masks = [None, None, None, FixedMask(_bool_mask(5, [1]))]
+    out = Sampler(eos_token_id=1).sample(logits, params, histories, [None] * 4, masks)
     assert out.token_ids.tolist() == [4, 1, 1, 1]
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from engine.api.special_tokens import DSML
 from engine.loader.checkpoint_writer import write_tiny_tokenizer
 from engine.loader.tokenizer import load_tokenizer
 from engine.model.deepseek_v41.config import ModelConfig
@@ -21,7 +22,6 @@ from server.chat.chat_encoding import (
     encode_fim,
     ends_inside_reasoning,
 )
-from server.chat.tool_calls import DSML
 from server.http.errors import APIError
 from server.openai.protocol import ChatCompletionRequest, reasoning_budget
 

@@ -10,15 +10,14 @@ import torch
 import xgrammar as xgr
 
 from engine.api.errors import RequestError
-from engine.api.sampling_params import SamplingParams
 from engine.loader.tokenizer import load_tokenizer
 from engine.sample.sampler import apply_token_masks
-from server.chat.schema_check import schema_problem
-from server.chat.structured_output import (
-    GrammarMaskProvider,
+from engine.structured_output.xgrammar_backend import (
+    XGrammarMatcher,
     clean_grammar_error,
     grammar_tokenizer_info,
 )
+from server.chat.schema_check import schema_problem
 from server.http.errors import APIError
 from server.http.input_checks import MAX_JSON_DEPTH, check_arguments_text, check_body
 
@@ -119,10 +118,10 @@ def test_a_real_dead_grammar_state_fails_its_row_only() -> None:
     compiled = xgr.GrammarCompiler(info, max_threads=1).compile_json_schema(
         json.dumps({"type": "string", "pattern": "^[^\\s\\S]$"})
     )
-    dead = GrammarMaskProvider(compiled, VOCAB)
+    dead = XGrammarMatcher(compiled, VOCAB)
     dead.accept(tokenizer.token_to_id('"'))
     logits = torch.zeros(2, VOCAB)
-    failed = apply_token_masks(logits, [SamplingParams(), SamplingParams(mask_provider=dead)])
+    failed = apply_token_masks(logits, [None, dead])
     assert list(failed) == [1] and isinstance(failed[1], RequestError)
     assert bool(torch.isfinite(logits).all())
 
@@ -131,20 +130,19 @@ def test_grammar_cache_is_bounded_in_bytes() -> None:
     """Distinct schemas once grew the server by 2.5 GB. Without a bound the
     compiled-grammar cache keeps every grammar; with ``--grammar-cache-bytes`` set to
     a quarter of that it stays near its bound (xgrammar may pass it by one entry)."""
-    from server.chat.structured_output import GrammarLimits, StructuredOutputCompiler
-    from server.openai.protocol import ResponseFormat
+    from engine.api.sampling_params import StructuredOutputSpec
+    from engine.structured_output.xgrammar_backend import GrammarLimits, StructuredOutputManager
 
     tokenizer = load_tokenizer()
 
     def cached_bytes(limit: int) -> int:
-        compiler = StructuredOutputCompiler(
-            tokenizer, vocab_size=VOCAB, eos_token_id=1, limits=GrammarLimits(cache_bytes=limit)
-        )
+        manager = StructuredOutputManager(tokenizer, VOCAB, 1, GrammarLimits(cache_bytes=limit))
         for i in range(12):
             schema = {"type": "object", "properties": {f"k{i}": {"type": "integer"}}}
-            fmt = {"type": "json_schema", "json_schema": {"name": "o", "schema": schema}}
-            assert compiler.for_request(response_format=ResponseFormat.model_validate(fmt))
-        return compiler._compiler.get_cache_size_bytes()
+            assert manager.matcher_now(StructuredOutputSpec(json_schema=json.dumps(schema)))
+        used = manager.cache_bytes_used()
+        manager.close()
+        return used
 
     unbounded = cached_bytes(1 << 40)
     one = unbounded / 12  # the grammars are alike in size

@@ -1,5 +1,9 @@
 """Grammar-constrained decoding: random sampling under the mask always yields valid output.
 
+Each grammar takes the request path: the API fields become the server's
+``StructuredOutputSpec``, which the engine's ``StructuredOutputManager``
+compiles into a matcher; errors are answered as the server answers them.
+
 Each run samples from random logits over the real 129,280-token vocabulary,
 restricted to the allowed tokens. Random text rarely closes a JSON string on its
 own, so now and then (and always after a step budget) a "closer" picks an
@@ -16,13 +20,20 @@ import numpy as np
 import pytest
 import torch
 
+from engine.api.errors import GrammarError
 from engine.loader.tokenizer import load_tokenizer
 from engine.sample.sampler import allowed_token_mask
+from engine.structured_output.xgrammar_backend import (
+    StructuredOutputManager,
+    XGrammarMatcher,
+    bitmask_to_bool,
+)
 from server.chat.reasoning import split_reasoning
-from server.chat.structured_output import StructuredOutputCompiler, bitmask_to_bool
+from server.chat.structured_output import structured_output_spec
 from server.chat.tool_calls import parse_tool_calls, render_tool_calls
-from server.http.errors import APIError
+from server.http.errors import APIError, from_engine_error
 from server.openai.protocol import ChatCompletionRequest
+from server.settings import ServerSettings
 
 VOCAB = 129280
 EOS = 1
@@ -78,9 +89,27 @@ def tokenizer():
     return load_tokenizer()
 
 
+class Compiler:
+    """API fields -> the server's spec -> the engine's matcher (or the server's error)."""
+
+    def __init__(self, manager: StructuredOutputManager) -> None:
+        self.manager = manager
+
+    def for_request(self, **fields) -> XGrammarMatcher | None:
+        spec = structured_output_spec(ServerSettings().max_grammar_schema_bytes, **fields)
+        if spec is None:
+            return None
+        try:
+            return self.manager.matcher_now(spec)
+        except GrammarError as exc:
+            raise from_engine_error(exc) from exc
+
+
 @pytest.fixture(scope="module")
-def compiler(tokenizer) -> StructuredOutputCompiler:
-    return StructuredOutputCompiler(tokenizer, vocab_size=VOCAB, eos_token_id=EOS)
+def compiler(tokenizer):
+    manager = StructuredOutputManager(tokenizer, VOCAB, EOS)
+    yield Compiler(manager)
+    manager.close()
 
 
 @pytest.fixture(scope="module")
@@ -419,25 +448,24 @@ def test_auto_tool_choice_without_a_call_is_free_text(compiler) -> None:
     assert provider.is_completed()  # EOS may end a plain answer
 
 
-def test_a_provider_pickled_to_an_engine_core_keeps_its_grammar_and_prefix(
-    compiler, tokenizer, monkeypatch
-) -> None:
-    """What crosses to the core process: the compiled grammar and the prefix it accepted;
-    the copy, rebuilt against the core's tokenizer, allows exactly the same tokens."""
-    import pickle
-
-    import engine.core.core_process
+def test_the_spec_sent_to_an_engine_core_keeps_its_grammar_and_prefix(compiler, tokenizer) -> None:
+    """What crosses to the core process is the spec as data (no compiled grammar): the
+    core's matcher, compiled from the decoded spec, allows exactly the same tokens and
+    has accepted the prefix."""
+    from engine.api import core_protocol as wire
+    from engine.api.request import Request
+    from engine.api.sampling_params import SamplingParams
 
     fmt = {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}}
-    original = compiler.for_request(
-        response_format=request(response_format=fmt).response_format, prefix='{"name":"ab'
+    spec = structured_output_spec(
+        1 << 20, response_format=request(response_format=fmt).response_format, prefix='{"name":"ab'
     )
-    assert original is not None
-    data = pickle.dumps(original)
-    with pytest.raises(RuntimeError, match="without a tokenizer"):
-        pickle.loads(data)  # outside a core process there is no tokenizer to rebuild from
-    monkeypatch.setattr(engine.core.core_process, "_TOKENIZER", [tokenizer])
-    copy = pickle.loads(data)
+    assert spec is not None
+    data = wire.ENCODER.encode(wire.add_msg(Request("r", [1, 2], SamplingParams(structured=spec))))
+    assert len(data) < 1000  # the schema's text and a few fields
+    decoded = wire.request_of(wire.TO_CORE.decode(data)).sampling_params.structured
+    assert decoded == spec
+    original, copy = compiler.manager.matcher_now(spec), compiler.manager.matcher_now(decoded)
     for text in ("", 'c","age":1', "2"):
         for token in tokenizer.encode(text, add_special_tokens=False).ids:
             original.accept(token)

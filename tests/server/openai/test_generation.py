@@ -70,7 +70,6 @@ def _ctx(engine: FakeEngine, limit: int | None = None) -> ServingContext:
         metrics=ServerMetrics("m"),
         tokenizer=None,  # type: ignore[arg-type]
         token_texts=None,  # type: ignore[arg-type]
-        structured=None,  # type: ignore[arg-type]
         admission=Admission(limit),
     )
 

@@ -31,11 +31,6 @@ class _Engine:
     vocab_size = 129280
 
 
-class _NoGrammar:
-    def for_request(self, **_: object) -> None:
-        return None
-
-
 @pytest.mark.parametrize(
     ("body", "expected"),
     [
@@ -61,7 +56,6 @@ def test_chat_requests_without_max_tokens_get_the_default(body: dict, expected: 
         metrics=ServerMetrics("m"),
         tokenizer=tokenizer,
         token_texts=None,  # type: ignore[arg-type]
-        structured=_NoGrammar(),  # type: ignore[arg-type]
     )
     request = ChatCompletionRequest.model_validate(
         {"messages": [{"role": "user", "content": "Hi"}], **body}

@@ -1,0 +1,1 @@
+"""Structured output: compiling a request's grammar spec and matching its tokens (xgrammar)."""

@@ -1,0 +1,304 @@
+"""The grammar backend on xgrammar: a spec -> a structural tag -> a compiled grammar -> matchers.
+
+What a spec enforces (``StructuredOutputSpec`` in engine/api/sampling_params.py):
+
+- ``json_schema``: compact JSON satisfying the schema (no whitespace between
+  tokens, ``json.dumps(separators=(",", ":"))``); with tools and ``auto`` the
+  output may instead be a calls block.
+- ``tool_choice`` ``required`` (one or more calls of any tool; exactly one
+  without ``parallel_tool_calls``) or ``function`` (exactly one call of it): a
+  DSML calls block whose arguments satisfy each function's ``parameters``, then EOS.
+- ``auto`` without a schema: free text, and once the model opens a calls block,
+  the same calls grammar until the block closes, then EOS.
+- Whitespace in a calls block is bounded: at most one character wherever the
+  format allows any (the canonical layout's newline between tags).
+- ``starts_in_reasoning``: free reasoning text first, up to ``</think>``.
+
+Added tokens (``<｜User｜>``, BOS, placeholders, ...) are never allowed under a
+grammar, except ``GRAMMAR_MARKERS``, which the formats use; EOS is allowed only
+once the grammar is complete.
+
+Compilation runs in a pool of its own (xgrammar releases the GIL while it
+compiles), bounded by ``GrammarLimits.timeout_s``; compiled grammars stay in
+xgrammar's cache, an LRU bounded in bytes and keyed by the structural tag, so a
+spec seen again compiles in microseconds. The vocabulary view is built once, in
+the pool, on the first spec: an engine that never sees one never pays for it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import xgrammar as xgr
+from tokenizers import Tokenizer
+from xgrammar.structural_tag import (
+    AnyTextFormat,
+    GrammarFormat,
+    OrFormat,
+    SequenceFormat,
+    StructuralTag,
+    TagFormat,
+)
+
+from engine.api.errors import GrammarError
+from engine.api.sampling_params import StructuredOutputSpec
+from engine.api.special_tokens import GRAMMAR_MARKERS, THINK_END, THINK_START
+
+# JSON output is compact: xgrammar's own JSON grammar without whitespace.
+JSON_SEPARATORS = (",", ":")
+# Longest whitespace run in a DSML calls block: the canonical layout puts one
+# newline between tags, and no value needs more; unbounded runs let a model
+# spend its whole budget on blanks and leave the call cut.
+MAX_TOOL_CALL_WHITESPACE = 1
+XGRAMMAR_MODEL = "deepseek_v4_1"  # xgrammar's built-in V4.1 calls-block format
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarLimits:
+    """Bounds on grammar work (flags of ``flashserve serve``, README "Limits")."""
+
+    timeout_s: float = 10.0  # one compilation, wall time, queueing included
+    cache_bytes: int = 256 << 20  # compiled grammars kept (LRU)
+    workers: int = 2  # compilations at once
+
+    def __post_init__(self) -> None:
+        if not self.timeout_s > 0 or min(self.cache_bytes, self.workers) < 1:
+            raise ValueError("GrammarLimits: every limit must be positive")
+
+
+# xgrammar's C++ errors start "[10:12:20] /project/cpp/regex_converter.cc:94: ".
+_SOURCE_PREFIX = re.compile(r"^\s*(\[[\d:.]+\]\s*)?(\S+\.(cc|cpp|h|hpp|py):\d+:\s*)?")
+_PATHS = re.compile(r"(/[\w.\-]+){2,}(:\d+)?")
+
+
+def clean_grammar_error(exc: BaseException) -> str:
+    """The compiler's complaint, without timestamps, source paths or a traceback."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    text = _PATHS.sub("<path>", _SOURCE_PREFIX.sub("", text))
+    return text[:300]
+
+
+def grammar_tokenizer_info(
+    tokenizer: Tokenizer, *, vocab_size: int, eos_token_id: int
+) -> xgr.TokenizerInfo:
+    """xgrammar's view of a byte-level BPE vocabulary with the added tokens masked."""
+    encoded = [""] * vocab_size  # "" = never produced under a grammar
+    for token, token_id in tokenizer.get_vocab(with_added_tokens=True).items():
+        if token_id < vocab_size:
+            encoded[token_id] = token
+    for token_id, added in tokenizer.get_added_tokens_decoder().items():
+        if token_id < vocab_size and added.content not in GRAMMAR_MARKERS:
+            encoded[token_id] = ""
+    return xgr.TokenizerInfo(
+        encoded, xgr.VocabType.BYTE_LEVEL, vocab_size=vocab_size, stop_token_ids=[eos_token_id]
+    )
+
+
+def structural_tag(spec: StructuredOutputSpec) -> StructuralTag:
+    """The xgrammar structural tag enforcing ``spec``; ``GrammarError`` for a schema
+    the compact-JSON converter (or the calls format) rejects."""
+    try:
+        body = _format(spec)
+    except Exception as exc:  # xgrammar raises several types for a bad schema
+        message = f"{spec.param}: cannot build a grammar: {clean_grammar_error(exc)}"
+        raise GrammarError(message, param=spec.param) from exc
+    if spec.starts_in_reasoning:
+        reasoning = TagFormat(
+            begin="", content=AnyTextFormat(excludes=[THINK_START, THINK_END]), end=THINK_END
+        )
+        body = SequenceFormat(elements=[reasoning, body])
+    return StructuralTag(format=body)
+
+
+def _format(spec: StructuredOutputSpec) -> Any:
+    if spec.tools is not None and spec.tool_choice != "auto":
+        return _calls_format(spec, spec.tool_choice)
+    if spec.json_schema is not None:
+        body: Any = _json_format(spec.json_schema)
+        if spec.tools is not None:
+            body = OrFormat(elements=[body, _calls_format(spec, "required")])
+        return body
+    # Free text until the model opens a calls block, which is then held to the same
+    # grammar as a forced call (and ends the turn).
+    return _calls_format(spec, "auto")
+
+
+def _calls_format(spec: StructuredOutputSpec, tool_choice: str) -> Any:
+    """xgrammar's V4.1 calls block for ``required``, one named function, or ``auto``
+    (free text with the calls block as a triggered tag)."""
+    choice: Any = tool_choice
+    if tool_choice == "function":
+        choice = {"type": "function", "function": {"name": spec.function_name}}
+    functions = json.loads(spec.tools or "[]")
+    tag = xgr.get_model_structural_tag(
+        XGRAMMAR_MODEL,
+        tools=[{"type": "function", "function": f} for f in functions],
+        tool_choice=choice,
+        reasoning="disabled",
+        max_whitespace_cnt=MAX_TOOL_CALL_WHITESPACE,
+        parallel_tool_calls=spec.parallel_tool_calls,
+    )
+    return tag.format
+
+
+def _json_format(schema: str) -> GrammarFormat:
+    """Compact JSON (the structural tag's JSON format always allows whitespace, so the
+    grammar comes from xgrammar's JSON converter)."""
+    grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False, separators=JSON_SEPARATORS)
+    return GrammarFormat(grammar=str(grammar))
+
+
+class XGrammarMatcher:
+    """A ``TokenMaskProvider`` backed by one xgrammar matcher (one sequence)."""
+
+    __slots__ = ("_bitmask", "_matcher")
+
+    def __init__(self, compiled: xgr.CompiledGrammar, vocab_size: int) -> None:
+        self._matcher = xgr.GrammarMatcher(compiled)
+        self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+
+    def allowed_tokens(self) -> torch.Tensor:
+        """Int32 bitmask ``[ceil(V / 32)]``; bit ``j`` of word ``i`` allows token ``32 i + j``."""
+        self._matcher.fill_next_token_bitmask(self._bitmask)
+        return self._bitmask[0].clone()
+
+    def accept(self, token_id: int) -> None:
+        if not self._matcher.accept_token(token_id):
+            raise ValueError(f"token {token_id} is not allowed by the grammar")
+
+    def is_terminated(self) -> bool:
+        return self._matcher.is_terminated()
+
+    def is_completed(self) -> bool:
+        """The text so far is a complete match (EOS would be accepted)."""
+        return self._matcher.is_completed()
+
+    def accept_text(self, text: str) -> bool:
+        """Advance past text already in the prompt (a chat prefix); False if it does not fit."""
+        return bool(self._matcher.accept_string(text))
+
+
+def bitmask_to_bool(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Expand an int32 token bitmask into bool ``[vocab_size]``.
+
+    Bytes are unpacked least significant bit first, so on a little-endian host
+    bit ``j`` of word ``i`` lands at ``32 i + j`` (numpy: single-threaded and
+    ~100x faster than torch's shift under CPU contention).
+    """
+    assert sys.byteorder == "little"
+    words = bitmask.to(torch.int32).contiguous().numpy()
+    bits = np.unpackbits(words.view(np.uint8), bitorder="little")[:vocab_size]
+    return torch.from_numpy(bits.astype(bool))
+
+
+@dataclass(slots=True)
+class XGrammarJob:
+    """One spec compiling in the pool; late past ``deadline`` (``time.monotonic``)."""
+
+    spec: StructuredOutputSpec
+    future: Future[xgr.CompiledGrammar]
+    deadline: float
+    timeout_s: float
+    vocab_size: int
+
+    def ready(self, now: float) -> bool:
+        """A compile that overruns is left to finish in its thread (xgrammar cannot be
+        interrupted) and its result dropped; one that never started is cancelled, and
+        the request gets a 503 (every grammar worker is busy)."""
+        if self.future.done():
+            self.future.result()  # raises the build's GrammarError
+            return True
+        if now < self.deadline:
+            return False
+        param = self.spec.param
+        if self.future.cancel():
+            raise GrammarError("Every grammar worker is busy; retry later", param=param, status=503)
+        raise GrammarError(
+            f"{param}: the grammar did not compile within {self.timeout_s:g} s; "
+            "simplify the schema",
+            param=param,
+        )
+
+    def matcher(self) -> XGrammarMatcher:
+        matcher = XGrammarMatcher(self.future.result(), self.vocab_size)
+        if self.spec.prefix and not matcher.accept_text(self.spec.prefix):
+            raise GrammarError(
+                "the assistant prefix does not fit the required output format",
+                param=self.spec.prefix_param,
+            )
+        return matcher
+
+    def cancel(self) -> None:
+        self.future.cancel()
+
+    def wait(self, timeout: float) -> None:
+        wait_futures([self.future], timeout=max(0.0, timeout))
+
+
+@dataclass(slots=True)
+class StructuredOutputManager:
+    """The engine's ``GrammarBackend``: compiles specs in its own threads, with the
+    engine's tokenizer, and caches what it compiled (xgrammar's byte-bounded LRU)."""
+
+    tokenizer: Tokenizer
+    vocab_size: int
+    eos_token_id: int
+    limits: GrammarLimits = field(default_factory=GrammarLimits)
+    max_threads: int = 1  # xgrammar's threads per compilation
+    clock: Any = time.monotonic
+    _compiler: xgr.GrammarCompiler | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _pool: ThreadPoolExecutor | None = None
+
+    def submit(self, spec: StructuredOutputSpec) -> XGrammarJob:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.limits.workers, thread_name_prefix="grammar")
+        future = self._pool.submit(self._compile, spec)
+        timeout = self.limits.timeout_s
+        return XGrammarJob(spec, future, self.clock() + timeout, timeout, self.vocab_size)
+
+    def matcher_now(self, spec: StructuredOutputSpec) -> XGrammarMatcher:
+        """Compile ``spec`` (bounded by the timeout) and return a matcher: for tools and
+        tests that want one grammar without running an engine."""
+        job = self.submit(spec)
+        job.wait(self.limits.timeout_s)
+        if not job.ready(self.clock()):
+            job.ready(job.deadline)  # late: raises the timeout's GrammarError
+        return job.matcher()
+
+    def _compile(self, spec: StructuredOutputSpec) -> xgr.CompiledGrammar:
+        tag = structural_tag(spec)
+        try:
+            return self._grammar_compiler().compile_structural_tag(tag)
+        except Exception as exc:  # xgrammar raises several types for a bad schema
+            message = f"{spec.param}: cannot build a grammar: {clean_grammar_error(exc)}"
+            raise GrammarError(message, param=spec.param) from exc
+
+    def _grammar_compiler(self) -> xgr.GrammarCompiler:
+        with self._lock:
+            if self._compiler is None:
+                info = grammar_tokenizer_info(
+                    self.tokenizer, vocab_size=self.vocab_size, eos_token_id=self.eos_token_id
+                )
+                self._compiler = xgr.GrammarCompiler(
+                    info, max_threads=self.max_threads, cache_limit_bytes=self.limits.cache_bytes
+                )
+            return self._compiler
+
+    def cache_bytes_used(self) -> int:
+        """Bytes of compiled grammars xgrammar's cache holds now."""
+        return 0 if self._compiler is None else int(self._compiler.get_cache_size_bytes())
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
