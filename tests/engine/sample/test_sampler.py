@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from engine.api.errors import RequestError
 from engine.api.sampling_params import SamplingParams
 from engine.sample.sampler import (
     Sampler,
@@ -69,10 +70,12 @@ def test_validate_names_the_field() -> None:
         (SamplingParams(n=0), "n"),
         (SamplingParams(logit_bias={3: math.nan}), "logit_bias"),
     ]:
-        with pytest.raises(ValueError, match=field):
+        with pytest.raises(RequestError, match=field) as caught:
             bad.validate()
-    with pytest.raises(ValueError, match="stop_token_ids"):
+        assert caught.value.param == field
+    with pytest.raises(RequestError, match="stop_token_ids") as caught:
         SamplingParams(stop_token_ids=[10]).validate(vocab_size=10)
+    assert caught.value.param == "stop_token_ids"
 
 
 def test_greedy_threshold() -> None:
