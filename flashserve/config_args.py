@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 import types
 import typing
 from collections.abc import Mapping
@@ -64,7 +65,6 @@ def flags_of(
     ``defaults``: flag defaults that differ from the field's (e.g. read from
     the environment); the dataclass default stays what it is.
     """
-    hints = typing.get_type_hints(cls)
     flags = []
     for f in dataclasses.fields(cls):
         meta = {**f.metadata, **(docs or {}).get(f.name, {})}
@@ -75,7 +75,7 @@ def flags_of(
             raise TypeError(f"{cls.__name__}.{f.name}: unknown flag metadata {sorted(unknown)}")
         default = (defaults or {}).get(f.name, _field_default(f))
         option = meta.get("flag", "--" + f.name.replace("_", "-"))
-        kwargs = _argument_kwargs(f"{cls.__name__}.{f.name}", hints[f.name], default, meta)
+        kwargs = _argument_kwargs(f"{cls.__name__}.{f.name}", _field_type(cls, f), default, meta)
         kwargs.update(dest=f.name, help=meta["help"])
         switch = kwargs.get("action") in ("store_true", "store_false")
         if not switch and "metavar" not in kwargs and "choices" not in kwargs:
@@ -118,6 +118,15 @@ def from_args(
             value = _field_default(fields[flag.field])
         kwargs[flag.field] = value
     return cls(**kwargs, **given)
+
+
+def _field_type(cls: type, f: dataclasses.Field[Any]) -> Any:
+    """The field's annotation, evaluated in its class's module (``typing.get_type_hints``
+    would evaluate every field's, so a module could not keep the types of its fields
+    without flags behind TYPE_CHECKING, out of the way of a fast ``--help``)."""
+    if not isinstance(f.type, str):
+        return f.type
+    return eval(f.type, vars(sys.modules[cls.__module__]))
 
 
 def _field_default(f: dataclasses.Field[Any]) -> Any:

@@ -5,6 +5,10 @@
 serving it runs the real loader and the real tokenizer file. The cache
 directory is ``$FLASHSERVE_CACHE``, else ``$XDG_CACHE_HOME/flashserve``, else
 ``~/.cache/flashserve``; the checkpoint is ``tiny-seed{SEED}`` inside it.
+
+The flags are the fields of ``ServeOptions`` (below), ``ServerSettings`` and
+``EngineConfig``, generated from them (flashserve/config_args.py); only the flags
+that are no field one to one are tables here, beside the function that reads them.
 """
 
 from __future__ import annotations
@@ -198,6 +202,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def serve_options(args: argparse.Namespace) -> ServeOptions:
+    """The ``ServeOptions`` the flags describe."""
     from flashserve.config_args import from_args
 
     return from_args(ServeOptions, args)
@@ -336,6 +341,7 @@ def model_path(model: str, seed: int) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Serve until SIGINT / SIGTERM; 2 when the flags or the checkpoint cannot be served."""
     options = serve_options(args)
     problem = _role_problem(args)
     if problem:

@@ -11,10 +11,15 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from server.metrics.disagg_metrics import ROLES, Role
 from server.openai.model_names import DEFAULT_SERVED_MODEL_NAME
 from server.openai.pricing import PriceTable
+
+if TYPE_CHECKING:
+    # Imported where used instead: ``flashserve serve --help`` reads this module for its
+    # flags, and the metrics module brings prometheus_client.
+    from server.metrics.disagg_metrics import Role
 
 API_KEYS_ENV = "FLASHSERVE_API_KEYS"
 
@@ -200,6 +205,8 @@ class ServerSettings:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"ServerSettings.{name} must be >= 1 (or None)")
+        from server.metrics.disagg_metrics import ROLES
+
         if self.role not in ROLES:
             raise ValueError(f"ServerSettings.role must be one of {ROLES}, got {self.role!r}")
         if not self.publish_timeout_s > 0:
