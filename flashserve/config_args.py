@@ -54,20 +54,18 @@ class Flag:
 def flags_of(
     cls: type,
     *,
-    docs: Mapping[str, Mapping[str, Any]] | None = None,
     group: str | None = None,
     defaults: Mapping[str, Any] | None = None,
 ) -> list[Flag]:
     """The flags of ``cls``'s fields, in field order.
 
-    ``docs``: metadata per field name, for a dataclass whose module does not
-    describe its own flags. ``group``: the group of fields that name none.
+    ``group``: the group of fields that name none.
     ``defaults``: flag defaults that differ from the field's (e.g. read from
     the environment); the dataclass default stays what it is.
     """
     flags = []
     for f in dataclasses.fields(cls):
-        meta = {**f.metadata, **(docs or {}).get(f.name, {})}
+        meta = f.metadata
         if "help" not in meta:
             continue
         unknown = set(meta) - _KEYS
@@ -96,19 +94,17 @@ def add_flags(groups: Mapping[str | None, ArgumentContainer], flags: list[Flag])
 def from_args(
     cls: type[T],
     args: argparse.Namespace,
-    *,
-    docs: Mapping[str, Mapping[str, Any]] | None = None,
     **given: Any,
 ) -> T:
     """``cls`` built from the parsed flags of its fields, and ``given`` for the rest.
 
     A field the caller gives (a value several flags compose, or one the command
     decides) is taken from ``given`` even when it has a flag of its own; a field
-    with neither keeps its default. ``docs`` as for ``flags_of``.
+    with neither keeps its default.
     """
     kwargs: dict[str, Any] = {}
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    for flag in flags_of(cls, docs=docs):
+    for flag in flags_of(cls):
         if flag.field in given:
             continue
         value = getattr(args, flag.field)
