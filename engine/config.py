@@ -1,65 +1,205 @@
-"""Engine settings: one dataclass, one field per command-line flag of ``flashserve serve``."""
+"""Engine settings: one dataclass; its fields with a ``help`` are the engine flags of
+``flashserve serve``."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-_DTYPES = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    # Exact comparisons (tests): FP4 rounding and top-k ties then never depend on
-    # GEMM shapes, so two processes that chunk a prompt differently agree bit for bit.
-    "float64": torch.float64,
-}
+# The names of the torch dtypes. float64: exact comparisons (tests): FP4 rounding and
+# top-k ties then never depend on GEMM shapes, so two processes that chunk a prompt
+# differently agree bit for bit.
+_DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 
 @dataclass(slots=True)
 class EngineConfig:
-    """How the engine schedules, stores KV and runs the model (docs/design/engine.md)."""
+    """How the engine schedules, stores KV and runs the model (docs/design/engine.md).
 
-    max_num_seqs: int = 64  # sequences admitted at once (running)
-    max_num_batched_tokens: int = 2048  # rows charged per step: one per decode, chunk rows
-    prefill_chunk_tokens: int = 512  # encoder rows of one sequence's prefill per step
-    page_tokens: int = 64  # tokens per KV page (a multiple of every compress ratio)
-    kv_cache_bytes: int = 1 << 30  # device tier budget
-    kv_dir: str | Path | None = None  # SSD tier directory; None = no persistent tier
-    kv_dir_bytes: int | None = None  # SSD tier budget; None = unbounded
-    replay_tokens: int | None = None  # W of bounded replay; None = the model's sliding_window
-    enable_ced: bool = True  # False = full-depth prefill (--disable-ced)
-    kv_dtype: Literal["fp4", "bf16"] = "fp4"  # stored global KV; bf16 is the ablation
-    device: str = "cpu"
-    dtype: str = "float32"  # dtype of unquantised weights and of activations
-    # auto: FP8-block weights stored packed stay packed (engine/model/deepseek_v41/fp8_linear.py);
-    # none: every weight dequantised at load to ``dtype``.
-    quantization: Literal["auto", "none"] = "auto"
-    max_model_len: int | None = None  # prompt + output cap; None = the model's max positions
-    runner: Literal["paged", "reference"] = "paged"  # reference = dense oracle (debugging)
-    seed: int = 0  # weights of the random tiny model; global sampling RNG
+    A field with a ``help`` is a flag of ``flashserve serve`` (flashserve/config_args.py
+    reads the metadata); ``group`` places it in ``--help``.
+    """
+
+    max_num_seqs: int = field(default=64, metadata={"help": "sequences running at once"})
+    # One row per decode, a chunk's rows per prefill.
+    max_num_batched_tokens: int = field(default=2048, metadata={"help": "rows per engine step"})
+    # Encoder rows of one sequence's prefill per step.
+    prefill_chunk_tokens: int = field(
+        default=512, metadata={"help": "prefill rows per sequence per step"}
+    )
+    # A multiple of every compress ratio.
+    page_tokens: int = field(default=64, metadata={"help": "tokens per KV page"})
+    kv_cache_bytes: int = field(
+        default=1 << 30, metadata={"help": "device KV tier budget in bytes"}
+    )
+    kv_dir: str | Path | None = field(
+        default=None, metadata={"help": "SSD KV tier directory (default: none)"}
+    )
+    kv_dir_bytes: int | None = field(
+        default=None, metadata={"help": "SSD tier budget (default: unbounded)"}
+    )
+    # W of bounded replay; None = the model's sliding_window.
+    replay_tokens: int | None = field(
+        default=None, metadata={"help": "bounded-replay window (default: SWA)"}
+    )
+    enable_ced: bool = field(
+        default=True,
+        metadata={"flag": "--disable-ced", "help": "full-depth prefill instead of CED"},
+    )
+    kv_dtype: Literal["fp4", "bf16"] = field(
+        default="fp4",
+        metadata={
+            "help": "global KV as stored: fp4, or bf16 for the ablation (default %(default)s)"
+        },
+    )
+    device: str = field(default="cpu", metadata={"help": "torch device (default %(default)s)"})
+    dtype: str = field(
+        default="float32",
+        metadata={
+            "choices": _DTYPES,
+            "help": "dtype of unquantised weights and of activations (float64: exact "
+            "comparisons in tests)",
+        },
+    )
+    # auto: FP8-block weights stored packed stay packed (engine/model/deepseek_v41/fp8_linear.py).
+    quantization: Literal["auto", "none"] = field(
+        default="auto",
+        metadata={
+            "help": "auto: keep the checkpoint's FP8/FP4 weights packed, activations quantised "
+            "per block of 32 (the release's numerics); none: dequantise at load to --dtype"
+        },
+    )
+    max_model_len: int | None = field(
+        default=None, metadata={"help": "prompt + output cap (default: model's)"}
+    )
+    runner: Literal["paged", "reference"] = field(
+        default="paged",
+        metadata={
+            "help": "reference: the dense oracle instead, for debugging (default %(default)s)"
+        },
+    )
     # CUDA graphs of decode steps (docs/design/cuda-graphs.md); never on CPU.
-    enforce_eager: bool = False  # True: no graphs (--enforce-eager)
-    cuda_graph_sizes: tuple[int, ...] | None = None  # buckets; None = 1, 2, 4, 8, 16, ...
+    enforce_eager: bool = field(
+        default=False,
+        metadata={
+            "help": "CUDA: run every decode step eagerly instead of replaying CUDA graphs "
+            "captured at start-up for the bucketed batch sizes (docs/design/cuda-graphs.md); "
+            "on cpu graphs are never used"
+        },
+    )
+    cuda_graph_sizes: tuple[int, ...] | None = field(
+        default=None,
+        metadata={
+            "nargs": "+",
+            "metavar": "N",
+            "help": "CUDA: decode batch sizes to capture (default 1 2 4 8 16 24 ... up to "
+            "--max-num-seqs); a larger batch runs eagerly; ignored on cpu",
+        },
+    )
+    seed: int = field(
+        default=0,
+        metadata={"help": "tiny model weights and the sampling RNG (default %(default)s)"},
+    )
     # Parallel serving (docs/design/parallelism.md, "Workers"): T x D ranks, one
-    # worker process each; the scheduler stays in the engine core.
-    tensor_parallel_size: int = 1
-    data_parallel_size: int = 1  # DP attention: each sequence lives on one DP rank
-    enable_expert_parallel: bool = False  # routed experts sharded over all T x D ranks
-    nnodes: int = 1
-    node_rank: int = 0
-    master_addr: str = "127.0.0.1"  # node 0: torch.distributed and the step channel
-    master_port: int = 0  # torch.distributed's port, the step channel one above; 0 = any free
-    worker_timeout_s: float = 120.0  # one step (and each collective) at most; then it fails
-    worker_threads: int | None = None  # torch threads per worker; None = torch's default
+    # worker process each; the scheduler stays in the engine core. Under torchrun the
+    # flags of the node fields default to its environment (flashserve/parallel_args.py).
+    tensor_parallel_size: int = field(
+        default=1,
+        metadata={
+            "group": "parallel",
+            "help": "T: ranks that split each layer's query heads, o-groups and shared expert "
+            "(default %(default)s)",
+        },
+    )
+    data_parallel_size: int = field(
+        default=1,
+        metadata={
+            "group": "parallel",
+            "help": "D: data-parallel attention; each sequence lives on one of D rank groups, "
+            "whose KV pools add up (default %(default)s). T x D ranks in all, one worker "
+            "process each",
+        },
+    )
+    enable_expert_parallel: bool = field(
+        default=False,
+        metadata={
+            "group": "parallel",
+            "help": "shard the routed experts over all T x D ranks (EP) instead of keeping all "
+            "on each",
+        },
+    )
+    nnodes: int = field(
+        default=1,
+        metadata={
+            "group": "parallel",
+            "help": "nodes the T x D ranks spread over (default 1; torchrun's NNODES / WORLD_SIZE)",
+        },
+    )
+    node_rank: int = field(
+        default=0,
+        metadata={
+            "group": "parallel",
+            "help": "this node (0 serves the API; default 0; torchrun's NODE_RANK / RANK)",
+        },
+    )
+    # Node 0: torch.distributed and the step channel.
+    master_addr: str = field(
+        default="127.0.0.1",
+        metadata={
+            "group": "parallel",
+            "help": "node 0's address (default MASTER_ADDR, else 127.0.0.1)",
+        },
+    )
+    # The step channel is one above; 0 = any free port.
+    master_port: int = field(
+        default=0,
+        metadata={
+            "group": "parallel",
+            "help": "torch.distributed's port on node 0; the engine core's step channel uses "
+            "the next one (default MASTER_PORT, else any free port; several nodes need it)",
+        },
+    )
+    worker_timeout_s: float = field(
+        default=120.0,
+        metadata={
+            "group": "parallel",
+            "flag": "--worker-timeout",
+            "help": "seconds one step (or collective) may take on the worker ranks before "
+            "serving fails (default %(default)s)",
+        },
+    )
+    worker_threads: int | None = field(
+        default=None,
+        metadata={
+            "group": "parallel",
+            "help": "torch intra-op threads per worker rank (default: torch's, OMP_NUM_THREADS)",
+        },
+    )
     # Structured output (engine/structured_output/): one compilation's wall time
-    # (queueing included; longer: a 400), compiled grammars kept (LRU bytes), and
-    # compilations at once.
-    grammar_timeout_s: float = 10.0
-    grammar_cache_bytes: int = 256 << 20
-    grammar_workers: int = 2
+    # (queueing included), compiled grammars kept (LRU bytes), compilations at once.
+    grammar_timeout_s: float = field(
+        default=10.0,
+        metadata={
+            "group": "limits",
+            "flag": "--grammar-timeout",
+            "help": "seconds one grammar compilation may take; longer: 400 (default %(default)s)",
+        },
+    )
+    grammar_cache_bytes: int = field(
+        default=256 << 20,
+        metadata={
+            "group": "limits",
+            "help": "compiled grammars kept, LRU, in bytes (default %(default)s)",
+        },
+    )
+    grammar_workers: int = field(
+        default=2,
+        metadata={"group": "limits", "help": "grammar compilations at once (default %(default)s)"},
+    )
 
     def __post_init__(self) -> None:
         for name in (
@@ -121,7 +261,11 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+        # Imported here: ``flashserve serve --help`` reads this module for its flags.
+        import torch
+
+        dtype: torch.dtype = getattr(torch, self.dtype)
+        return dtype
 
     def replay_window(self, sliding_window: int) -> int:
         """W: the configured replay window, or the model's sliding window."""

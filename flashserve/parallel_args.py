@@ -1,4 +1,7 @@
-"""``flashserve serve``'s parallel-serving flags, and what a node other than node 0 runs.
+"""``flashserve serve``'s parallel-serving defaults under torchrun, and what a node other
+than node 0 runs.
+
+The flags themselves are ``EngineConfig``'s parallel fields (engine/config.py).
 
 Node 0 runs the API and the engine core, which starts that node's worker ranks
 itself (engine/parallel/executor.py). Every other node runs the same command with its
@@ -11,7 +14,6 @@ environment when it is set (one serve process per node: ``MASTER_ADDR``,
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import subprocess
@@ -28,77 +30,14 @@ def _env_int(*names: str, default: int) -> int:
     return default
 
 
-def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("parallel serving (docs/design/parallelism.md)")
-    group.add_argument(
-        "--tensor-parallel-size",
-        type=int,
-        default=1,
-        help="T: ranks that split each layer's query heads, o-groups and shared expert (default 1)",
-    )
-    group.add_argument(
-        "--data-parallel-size",
-        type=int,
-        default=1,
-        help="D: data-parallel attention; each sequence lives on one of D rank groups, whose "
-        "KV pools add up (default 1). T x D ranks in all, one worker process each",
-    )
-    group.add_argument(
-        "--enable-expert-parallel",
-        action="store_true",
-        help="shard the routed experts over all T x D ranks (EP) instead of keeping all on each",
-    )
-    group.add_argument(
-        "--nnodes",
-        type=int,
-        default=_env_int("NNODES", "WORLD_SIZE", default=1),
-        help="nodes the T x D ranks spread over (default 1; torchrun's NNODES / WORLD_SIZE)",
-    )
-    group.add_argument(
-        "--node-rank",
-        type=int,
-        default=_env_int("NODE_RANK", "RANK", default=0),
-        help="this node (0 serves the API; default 0; torchrun's NODE_RANK / RANK)",
-    )
-    group.add_argument(
-        "--master-addr",
-        default=os.environ.get("MASTER_ADDR", "127.0.0.1"),
-        help="node 0's address (default MASTER_ADDR, else 127.0.0.1)",
-    )
-    group.add_argument(
-        "--master-port",
-        type=int,
-        default=_env_int("MASTER_PORT", default=0),
-        help="torch.distributed's port on node 0; the engine core's step channel uses the next "
-        "one (default MASTER_PORT, else any free port; several nodes need it)",
-    )
-    group.add_argument(
-        "--worker-timeout",
-        type=float,
-        default=120.0,
-        help="seconds one step (or collective) may take on the worker ranks before serving "
-        "fails (default %(default)s)",
-    )
-    group.add_argument(
-        "--worker-threads",
-        type=int,
-        default=None,
-        help="torch intra-op threads per worker rank (default: torch's, OMP_NUM_THREADS)",
-    )
-
-
-def parallel_fields(args: argparse.Namespace) -> dict[str, Any]:
-    """The ``EngineConfig`` fields of these flags."""
+def torchrun_defaults() -> dict[str, Any]:
+    """Defaults of the node flags (EngineConfig's parallel fields) from torchrun's
+    environment, which names the node when serve runs once per node under it."""
     return {
-        "tensor_parallel_size": args.tensor_parallel_size,
-        "data_parallel_size": args.data_parallel_size,
-        "enable_expert_parallel": args.enable_expert_parallel,
-        "nnodes": args.nnodes,
-        "node_rank": args.node_rank,
-        "master_addr": args.master_addr,
-        "master_port": args.master_port,
-        "worker_timeout_s": args.worker_timeout,
-        "worker_threads": args.worker_threads,
+        "nnodes": _env_int("NNODES", "WORLD_SIZE", default=1),
+        "node_rank": _env_int("NODE_RANK", "RANK", default=0),
+        "master_addr": os.environ.get("MASTER_ADDR", "127.0.0.1"),
+        "master_port": _env_int("MASTER_PORT", default=0),
     }
 
 

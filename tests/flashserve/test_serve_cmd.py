@@ -215,6 +215,15 @@ def test_role_flags_reach_the_settings() -> None:
     assert (router.prefill_timeout, router.decode_timeout) == (3.0, 9.0)
 
 
+def _plan(path: Path, *argv: str) -> str | None:
+    """``check_memory_plan`` of serving ``path`` with these flags."""
+    args = _args("--model", str(path), *argv)
+    options = serve_cmd.serve_options(args)
+    return serve_cmd.check_memory_plan(
+        serve_cmd.engine_config(args), path, options.device_memory_gib
+    )
+
+
 def _config_dir(tmp_path: Path, config) -> Path:
     import json
 
@@ -250,17 +259,15 @@ def test_serve_prints_the_plan_of_a_model_that_fits(
 
     tiny = ModelConfig.tiny()
     path = _config_dir(tmp_path, tiny)
-    args = _args("--model", str(path), "--device-memory-gib", "4", "--kv-cache-bytes", str(GIB))
-    assert serve_cmd.check_memory_plan(args, path) is None
+    assert _plan(path, "--device-memory-gib", "4", "--kv-cache-bytes", str(GIB)) is None
     out = capsys.readouterr().out
     assert "flashserve: memory plan: 1 device(s) x 4.0 GiB" in out
     assert "warning" not in out
     # --kv-cache-bytes beyond what the plan leaves: a warning, not a refusal.
-    args = _args("--model", str(path), "--device-memory-gib", "3", "--kv-cache-bytes", str(GIB))
-    assert serve_cmd.check_memory_plan(args, path) is None
+    assert _plan(path, "--device-memory-gib", "3", "--kv-cache-bytes", str(GIB)) is None
     assert "warning: --kv-cache-bytes 1,073,741,824 exceeds" in capsys.readouterr().out
     # cpu without --device-memory-gib: the host's memory, less the Engram tables it holds.
-    assert serve_cmd.check_memory_plan(_args("--model", str(path)), path) is None
+    assert _plan(path) is None
     from engine.planning.memory_plan import detected_memory_bytes
 
     host = detected_memory_bytes("cpu")
@@ -273,11 +280,9 @@ def test_serve_reserve_shortfall_is_refused(tmp_path: Path) -> None:
     from engine.model.deepseek_v41.config import ModelConfig
 
     path = _config_dir(tmp_path, ModelConfig.tiny())
-    message = serve_cmd.check_memory_plan(
-        _args("--model", str(path), "--device-memory-gib", "1"), path
-    )
+    message = _plan(path, "--device-memory-gib", "1")
     assert message is not None and message.startswith("cpu: weights (0.1 GiB), activation")
-    bad_page = serve_cmd.check_memory_plan(_args("--model", str(path), "--page-tokens", "3"), path)
+    bad_page = _plan(path, "--page-tokens", "3")
     assert bad_page is not None and "not a multiple" in bad_page
 
 
