@@ -480,7 +480,8 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from engine.api.async_engine import AsyncEngine
-    from engine.api.core_client import EngineClient, EngineCoreClient
+    from engine.api.core_client import EngineCoreClient
+    from engine.api.protocol import EngineClient
     from engine.loader.builder import checkpoint_fingerprint
     from server.app import create_app
 
@@ -523,18 +524,16 @@ def run(args: argparse.Namespace) -> int:
         encoder_only = args.role == "prefill"
         if in_process:
             engine = AsyncEngine(config, path, encoder_only=encoder_only)
+            where = "in this process"
         else:
             try:
-                engine = EngineCoreClient(config, path, encoder_only=encoder_only)
+                core = EngineCoreClient(config, path, encoder_only=encoder_only)
             except RuntimeError as exc:
                 print(f"flashserve serve: {exc}", file=sys.stderr)
                 return 1
+            engine = core
+            where = f"in process {core.pid}, sockets in {core.socket_dir}"
     fingerprint = "fp_" + checkpoint_fingerprint(path)[:10]
-    where = (
-        "in this process"
-        if isinstance(engine, AsyncEngine)
-        else f"in process {engine.pid}, sockets in {engine.socket_dir}"
-    )
     _say(f"engine ready in {time.monotonic() - started:.1f} s ({where})")
     # uvicorn stops gracefully on SIGINT/SIGTERM, then re-raises the signal. SIGTERM's
     # default action would kill the process before the engine flushes its SSD tier.

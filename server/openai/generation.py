@@ -22,8 +22,7 @@ from typing import Any, TypeVar
 
 from tokenizers import Tokenizer
 
-from engine.api.async_engine import EngineDeadError
-from engine.api.core_client import EngineClient
+from engine.api.protocol import EngineClient, EngineDeadError
 from engine.api.request import CompletionOutput, Request, RequestOutput, TokenLogprob, Usage
 from server.chat.structured_output import StructuredOutputCompiler
 from server.disagg.handover import (

@@ -13,7 +13,8 @@ import pytest
 import torch
 from engine_helpers import fake_engine, greedy, run_to_completion, token_stream
 
-from engine.api.async_engine import AsyncEngine, RequestFailedError
+from engine.api.async_engine import AsyncEngine
+from engine.api.protocol import RequestFailedError
 from engine.api.request import Request, RequestError
 from engine.api.sampling_params import SamplingParams
 from engine.sample.sampler import apply_token_masks
