@@ -20,7 +20,7 @@ import contextlib
 import dataclasses
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 
 from engine.api.protocol import EngineDeadError, PrefillResult, RequestFailedError
@@ -131,7 +131,7 @@ class StreamingClient(abc.ABC):
         request: Request,
         publish_timeout: float | None,
         published: _Waiter | None,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         self.validate(request)  # configuration only: safe from this thread
         rid = request.request_id
         stream = Stream(asyncio.get_running_loop())
