@@ -1,7 +1,7 @@
 """The engine core in its own process (``EngineCoreClient``) alone: a killed core fails
 its streams and refuses new requests; a graceful shutdown lets the core exit by itself
-and removes the socket files. What it shares with the in-process client is tested once
-for both in test_engine_client.py."""
+and removes the socket files; a core whose API process vanished exits on its own. What
+it shares with the in-process client is tested once for both in test_engine_client.py."""
 
 from __future__ import annotations
 
@@ -9,7 +9,10 @@ import asyncio
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -98,3 +101,39 @@ def test_graceful_shutdown_ends_streams_stops_the_core_and_removes_sockets():
     assert not sockets.exists()
     assert proc not in multiprocessing.active_children()
     assert not core.is_running
+
+
+_ORPHAN = """
+import sys, time
+from engine.api.core_client import EngineCoreClient
+from engine.config import EngineConfig
+c = EngineCoreClient(EngineConfig(page_tokens=16, kv_cache_bytes=4 << 20), "tiny", torch_threads=1)
+print(c.pid, c.socket_dir, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_core_whose_api_process_vanished_exits_and_removes_the_sockets():
+    api = subprocess.Popen([sys.executable, "-c", _ORPHAN], stdout=subprocess.PIPE, text=True)
+    try:
+        assert api.stdout is not None
+        pid_text, sockets_text = api.stdout.readline().split()
+        pid, sockets = int(pid_text), Path(sockets_text)
+        assert sockets.is_dir()
+        api.kill()  # SIGKILL: it cannot tell the core
+        api.wait(10)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and (_alive(pid) or sockets.exists()):
+            time.sleep(0.1)
+        assert not _alive(pid) and not sockets.exists()
+    finally:
+        api.kill()
+
+
+def _alive(pid: int) -> bool:
+    """``pid`` runs (a zombie counts as gone)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state != "Z"
