@@ -222,7 +222,8 @@ class EngineCoreClient(StreamingClient):
         if isinstance(msg, wire.StepMsg):
             with self._lock:
                 self._applied_seqs = msg.applied_seqs
-            self.on_step([wire.output_of(w) for w in msg.outputs], msg.stats)
+            outputs = [wire.output_of(w) for w in msg.outputs]
+            self.on_step(outputs, msg.stats, msg.applied_seqs)
         elif isinstance(msg, wire.QueueMsg):
             with self._lock:
                 self._stats = dataclasses.replace(

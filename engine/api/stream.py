@@ -38,6 +38,10 @@ class Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[Item] = field(default_factory=asyncio.Queue)
     finished: bool = False  # the consumer has seen the final output
+    # The client's count of sequences sent, this request's included: an output the loop
+    # reports with fewer sequences applied predates this request (a reused id's
+    # predecessor, whose abort the loop had not reached yet) and is not for this stream.
+    sent_seqs: int = 0
 
     def put(self, item: Item) -> None:
         """Queue ``item`` from any thread."""
@@ -85,6 +89,7 @@ class StreamingClient(abc.ABC):
 
     def __init__(self, stats: EngineStats) -> None:
         self._lock = threading.Lock()
+        self._submit_lock = threading.Lock()  # held while a request is counted and sent
         self._streams: dict[str, Stream] = {}
         self._published: dict[str, _Waiter] = {}
         self._active: set[str] = set()  # request ids between generate() and their end
@@ -135,28 +140,38 @@ class StreamingClient(abc.ABC):
         self.validate(request)  # configuration only: safe from this thread
         rid = request.request_id
         stream = Stream(asyncio.get_running_loop())
-        with self._lock:
-            if self._error is not None or self._stopping:
-                raise EngineDeadError("the engine is not running") from self._error
-            if rid in self._active:
-                raise ValueError(f"request id {rid!r} is already in flight")
-            self._active.add(rid)
-            self._streams[rid] = stream
-            if published is not None:
-                self._published[rid] = published
-            self._sent_seqs += num_seqs(request)
+        # Sequences are counted in the order the loop takes the requests (``sent_seqs``).
+        with self._submit_lock:
+            with self._lock:
+                if self._error is not None or self._stopping:
+                    raise EngineDeadError("the engine is not running") from self._error
+                if rid in self._active:
+                    raise ValueError(f"request id {rid!r} is already in flight")
+                self._active.add(rid)
+                self._streams[rid] = stream
+                if published is not None:
+                    self._published[rid] = published
+                self._sent_seqs += num_seqs(request)
+                stream.sent_seqs = self._sent_seqs
+            try:
+                self._submit(request, publish_timeout)
+            except BaseException:
+                self._forget(rid, stream)
+                raise
         try:
-            self._submit(request, publish_timeout)
             while not stream.finished:
                 yield await stream.next_output(self._own_faults)
         finally:
             # Closed early, cancelled, or failed: the engine must let go of it.
             if not stream.finished:
                 self._withdraw(rid, report=False)
-            with self._lock:
-                self._active.discard(rid)
-                if self._streams.get(rid) is stream:
-                    del self._streams[rid]
+            self._forget(rid, stream)
+
+    def _forget(self, rid: str, stream: Stream) -> None:
+        with self._lock:
+            self._active.discard(rid)
+            if self._streams.get(rid) is stream:
+                del self._streams[rid]
 
     async def prefill(self, request: Request, timeout: float | None = None) -> PrefillResult:
         """Run a prefill-only request and wait until its pages are durable on SSD.
@@ -222,7 +237,7 @@ class StreamingClient(abc.ABC):
         return max(0.0, time.monotonic() - beat)
 
     # ------------------------------------------------------------ sink calls (other threads)
-    def on_step(self, outputs: list[RequestOutput], stats: EngineStats) -> None:
+    def on_step(self, outputs: list[RequestOutput], stats: EngineStats, applied_seqs: int) -> None:
         """A step's outputs: to their streams, one wake-up per event loop per step."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Stream, Item]]] = {}
         with self._lock:
@@ -230,7 +245,7 @@ class StreamingClient(abc.ABC):
             self._beat = time.monotonic()
             for out in outputs:
                 stream = self._streams.get(out.request_id)
-                if stream is None:  # its consumer is gone
+                if stream is None or stream.sent_seqs > applied_seqs:  # not its consumer's
                     continue
                 if out.finished:
                     del self._streams[out.request_id]
@@ -238,12 +253,14 @@ class StreamingClient(abc.ABC):
         for loop, items in by_loop.items():
             post(loop, items)
 
-    def on_rejected(self, request: Request, error: Exception) -> None:
+    def on_rejected(self, request: Request, error: Exception, applied_seqs: int) -> None:
         """The loop could not add ``request``: its consumer gets ``error``."""
         with self._lock:
-            stream = self._streams.pop(request.request_id, None)
-        if stream is not None:
-            stream.put(error)
+            stream = self._streams.get(request.request_id)
+            if stream is None or stream.sent_seqs > applied_seqs:
+                return
+            del self._streams[request.request_id]
+        stream.put(error)
 
     def on_published(self, request_id: str, pages: int) -> None:
         with self._lock:

@@ -122,14 +122,14 @@ class _SocketSink:
     send_lock: threading.Lock = field(default_factory=threading.Lock)
     queue_reported: tuple[int, int] = (0, 0)
 
-    def on_step(self, outputs: list[RequestOutput], stats: EngineStats) -> None:
+    def on_step(self, outputs: list[RequestOutput], stats: EngineStats, applied_seqs: int) -> None:
         self.queue_reported = (stats.running, stats.waiting)
         wired = [wire.wire_output(o) for o in outputs]
-        self.send(wire.StepMsg(wired, stats, self.core.applied_seqs))
+        self.send(wire.StepMsg(wired, stats, applied_seqs))
 
-    def on_rejected(self, request: Request, error: Exception) -> None:
+    def on_rejected(self, request: Request, error: Exception, applied_seqs: int) -> None:
         failed = _failed(request, error)
-        self.send(wire.StepMsg([failed], self.core.engine.stats(), self.core.applied_seqs))
+        self.send(wire.StepMsg([failed], self.core.engine.stats(), applied_seqs))
 
     def on_published(self, request_id: str, pages: int) -> None:
         self.send(wire.PublishedMsg(request_id, pages))

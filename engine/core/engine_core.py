@@ -58,12 +58,13 @@ class Sink(Protocol):
     """Where the loop's results go. Every call but ``on_published`` comes from the loop's
     thread; ``on_published`` comes from a thread waiting for SSD writes."""
 
-    def on_step(self, outputs: list[RequestOutput], stats: EngineStats) -> None:
+    def on_step(self, outputs: list[RequestOutput], stats: EngineStats, applied_seqs: int) -> None:
         """A step's outputs (all requests together) and the stats taken after it, before
-        the outputs are handed on; ``[]`` is a heartbeat."""
+        the outputs are handed on; ``[]`` is a heartbeat. ``applied_seqs``: sequences of
+        every request taken so far (``EngineCore.applied_seqs``)."""
         ...
 
-    def on_rejected(self, request: Request, error: Exception) -> None:
+    def on_rejected(self, request: Request, error: Exception, applied_seqs: int) -> None:
         """``LLMEngine.add_request`` raised for ``request`` (it was validated already: a bug)."""
         ...
 
@@ -118,7 +119,7 @@ class EngineCore:
             busy = engine.has_unfinished_requests()
             cmd = inbox.next(0.0 if busy else self.idle_wait_s)
             if cmd is None and not busy:
-                sink.on_step([], engine.stats())  # the idle heartbeat
+                sink.on_step([], engine.stats(), self.applied_seqs)  # the idle heartbeat
                 continue
             while cmd is not None:  # every queued command, before the step
                 if isinstance(cmd, Shutdown):
@@ -129,7 +130,7 @@ class EngineCore:
             now = time.monotonic()
             if outputs or now - self._last_report >= self.beat_s:
                 self._last_report = now
-                sink.on_step(outputs, engine.stats())
+                sink.on_step(outputs, engine.stats(), self.applied_seqs)
             for out in outputs:
                 if out.published_pages is not None:
                     self._wait_published(sink, out.request_id, out.published_pages)
@@ -145,7 +146,7 @@ class EngineCore:
         try:
             self.engine.add_request(request)
         except Exception as exc:  # validated already by the client; anything left is a bug
-            sink.on_rejected(request, exc)
+            sink.on_rejected(request, exc, self.applied_seqs)
             return
         if request.prefill_only:
             self._publish_timeouts[request.request_id] = cmd.publish_timeout
