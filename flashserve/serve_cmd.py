@@ -406,13 +406,11 @@ def _start_engine(
         encoder_only = role == "prefill"
         if in_process:
             engine = AsyncEngine(config, path, encoder_only=encoder_only)
+            where = "in this process"
         else:
-            engine = EngineCoreClient(config, path, encoder_only=encoder_only)
-    where = (
-        "in this process"
-        if isinstance(engine, AsyncEngine)
-        else f"in process {engine.pid}, sockets in {engine.socket_dir}"
-    )
+            core = EngineCoreClient(config, path, encoder_only=encoder_only)
+            where = f"in process {core.pid}, sockets in {core.socket_dir}"
+            engine = core
     _say(f"engine ready in {time.monotonic() - started:.1f} s ({where})")
     return engine
 

@@ -21,7 +21,7 @@ from fastapi import Depends, FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.responses import Response
 
-from engine.api.core_client import EngineClient
+from engine.api.protocol import EngineClient
 from server.disagg.prefill_worker import add_prefill_routes
 from server.http.auth import api_key_dependency
 from server.http.body_limit import BodySizeLimit

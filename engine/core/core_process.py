@@ -1,11 +1,13 @@
 """The engine core process: the scheduling + model loop, alone with its GIL.
 
 ``run_core`` is the process's main (started by ``EngineCoreClient`` with the
-``spawn`` method). It builds the engine, says ``ReadyMsg``, then loops:
-take every queued message, run one step, send one ``StepMsg`` with all of
-that step's outputs and the stats snapshot. Idle, it waits on its socket and
-sends a heartbeat every ``IDLE_BEAT_S`` (so the API side can tell a live idle
-core from a wedged one). The API process owns the socket files; the core
+``spawn`` method). It builds the engine, says ``ReadyMsg``, then runs the
+step loop the in-process client runs too (``EngineCore``,
+``engine/core/engine_core.py``) with a socket for its inbox and a sink that
+sends: every queued message is applied, one step runs, one ``StepMsg`` carries
+all of that step's outputs and the stats snapshot. Idle, it waits on its socket
+and sends a heartbeat every ``IDLE_BEAT_S`` (so the API side can tell a live
+idle core from a wedged one). The API process owns the socket files; the core
 connects to them.
 
 The core ignores SIGINT and SIGTERM: the API process drives its shutdown
@@ -21,16 +23,23 @@ import os
 import shutil
 import signal
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import zmq
 
 from engine.api import core_protocol as wire
-from engine.api.request import RequestOutput
+from engine.api.request import Request, RequestMetrics, RequestOutput, Usage
 from engine.config import EngineConfig
-from engine.core.llm_engine import LLMEngine
+from engine.core.engine_core import (
+    AbortRequest,
+    AddRequest,
+    Command,
+    CoreExit,
+    EngineCore,
+    Shutdown,
+)
+from engine.core.llm_engine import EngineStats, LLMEngine
 
 logger = logging.getLogger(__name__)
 
@@ -67,28 +76,63 @@ def log_levels() -> dict[str, int]:
     return levels
 
 
+class _SocketInbox:
+    """The loop's inbox: the socket the API process sends ``AddMsg`` / ``AbortMsg`` /
+    ``ShutdownMsg`` on, decoded into the loop's commands."""
+
+    def __init__(self, socket: zmq.Socket) -> None:
+        self.socket = socket
+        self.poller = zmq.Poller()
+        self.poller.register(socket, zmq.POLLIN)
+
+    def next(self, timeout: float) -> Command | None:
+        if timeout > 0 and not self.poller.poll(int(timeout * 1000)):
+            return None
+        try:
+            data = self.socket.recv(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return None
+        msg = wire.TO_CORE.decode(data.buffer)
+        if isinstance(msg, wire.ShutdownMsg):
+            return Shutdown()
+        if isinstance(msg, wire.AbortMsg):
+            return AbortRequest(msg.request_id, msg.report)
+        return AddRequest(wire.request_of(msg), msg.publish_timeout)
+
+
 @dataclass(slots=True)
-class _Core:
-    engine: LLMEngine
+class _SocketSink:
+    """The loop's sink: each call becomes a message to the API process, whose client
+    makes the same call on its side."""
+
+    core: EngineCore
     out: zmq.Socket
+    parent_pid: int
+    socket_dir: Path
     send_lock: threading.Lock = field(default_factory=threading.Lock)
-    applied_seqs: int = 0
-    publish_timeouts: dict[str, float | None] = field(default_factory=dict)
-    last_sent: float = 0.0
     queue_reported: tuple[int, int] = (0, 0)
 
-    def send_step(self, outputs: list[RequestOutput]) -> None:
-        stats = self.engine.stats()
+    def on_step(self, outputs: list[RequestOutput], stats: EngineStats, applied_seqs: int) -> None:
         self.queue_reported = (stats.running, stats.waiting)
-        self.send(wire.StepMsg([wire.wire_output(o) for o in outputs], stats, self.applied_seqs))
+        wired = [wire.wire_output(o) for o in outputs]
+        self.send(wire.StepMsg(wired, stats, applied_seqs))
+
+    def on_rejected(self, request: Request, error: Exception, applied_seqs: int) -> None:
+        failed = _failed(request, error)
+        self.send(wire.StepMsg([failed], self.core.engine.stats(), applied_seqs))
+
+    def on_published(self, request_id: str, pages: int) -> None:
+        self.send(wire.PublishedMsg(request_id, pages))
+
+    def on_failed(self, error: BaseException) -> None:
+        _say_dead(self, self.out, self.socket_dir, error)
 
     def report_queue(self) -> None:
-        lengths = self.engine.queue_lengths()
+        """After scheduling (``LLMEngine.on_scheduled``): running and waiting, if changed."""
+        lengths = self.core.engine.queue_lengths()
         if lengths != self.queue_reported:
             self.queue_reported = lengths
-            self.send(wire.QueueMsg(*lengths, self.applied_seqs))
-
-    parent_pid: int = 0
+            self.send(wire.QueueMsg(*lengths, self.core.applied_seqs))
 
     def send(self, msg: object) -> None:
         """Send, never blocking for good: a send that times out (the API process stopped
@@ -102,6 +146,21 @@ class _Core:
                 except zmq.Again:
                     if os.getppid() != self.parent_pid:
                         raise SystemExit("the API process is gone") from None
+
+
+def _say_dead(
+    sink: _SocketSink | None, out: zmq.Socket, socket_dir: Path, error: BaseException
+) -> None:
+    """Tell the API process the core failed; if it is gone too, remove the socket files
+    (nobody else is left to)."""
+    msg = wire.DeadMsg(f"engine core failed: {error!r}")
+    try:
+        if sink is not None:
+            sink.send(msg)
+        else:
+            out.send(wire.ENCODER.encode(msg))
+    except (SystemExit, zmq.ZMQError):
+        shutil.rmtree(socket_dir, ignore_errors=True)
 
 
 def run_core(spec: CoreSpec) -> None:
@@ -130,136 +189,77 @@ def run_core(spec: CoreSpec) -> None:
     out.setsockopt(zmq.LINGER, 2000)
     out.setsockopt(zmq.SNDTIMEO, 1000)
     out.connect(spec.from_core)
-    core: _Core | None = None
-    failure: list[BaseException] = []
+    socket_dir = Path(spec.to_core.removeprefix("ipc://")).parent
+    engine: LLMEngine | None = None
+    sink: _SocketSink | None = None
     try:
         from engine.loader.builder import build_engine
 
         model = spec.model if spec.model == "tiny" else Path(spec.model)
         engine = build_engine(spec.config, model, encoder_only=spec.encoder_only)
-        core = _Core(engine, out, parent_pid=spec.parent_pid)
-        engine.on_scheduled = core.report_queue
-        tokenizer = engine.tokenizer
-        core.send(
-            wire.ReadyMsg(
-                limits=engine.limits(),
-                eos_token_id=engine.eos_token_id,
-                tokenizer_json=None if tokenizer is None else tokenizer.to_str(),
-                stats=engine.stats(),
-            )
-        )
-
-        def loop() -> None:
-            try:
-                if not _loop(core, inbox, spec.parent_pid):
-                    # Nobody is left to remove the socket files: the core does.
-                    sockets = Path(spec.to_core.removeprefix("ipc://")).parent
-                    shutil.rmtree(sockets, ignore_errors=True)
-            except BaseException as exc:
-                failure.append(exc)
-
-        worker = threading.Thread(target=loop, name="flashserve-engine")
-        worker.start()
-        worker.join()
-        if failure:
-            raise failure[0]
+        core = EngineCore(engine, idle_wait_s=IDLE_BEAT_S, beat_s=BUSY_BEAT_S)
+        sink = _SocketSink(core, out, spec.parent_pid, socket_dir)
+        engine.on_scheduled = sink.report_queue
+        _send_ready(sink, engine)
     except BaseException as exc:  # whatever it was, the API side must hear
         logger.exception("engine core failed", exc_info=exc)
-        msg = wire.DeadMsg(f"engine core failed: {exc!r}")
-        try:
-            if core is not None:
-                core.send(msg)
-            else:
-                out.send(wire.ENCODER.encode(msg))
-        except (SystemExit, zmq.ZMQError):  # the API process is gone too
-            shutil.rmtree(Path(spec.to_core.removeprefix("ipc://")).parent, ignore_errors=True)
-        _close(core, ctx)
+        _say_dead(sink, out, socket_dir, exc)
+        _close(engine, ctx)
         os._exit(1)
-    _close(core, ctx)
+    ended = _serve(core, _SocketInbox(inbox), sink, spec.parent_pid)
+    if ended is CoreExit.ORPHANED:
+        logger.error("the API process is gone; the engine core exits")
+        # Nobody is left to remove the socket files: the core does.
+        shutil.rmtree(socket_dir, ignore_errors=True)
+    _close(engine, ctx)
+    if ended is CoreExit.FAILED:  # the sink has said DeadMsg
+        os._exit(1)
 
 
-def _close(core: _Core | None, ctx: zmq.Context) -> None:
-    if core is not None:
+def _send_ready(sink: _SocketSink, engine: LLMEngine) -> None:
+    tokenizer = engine.tokenizer
+    sink.send(
+        wire.ReadyMsg(
+            limits=engine.limits(),
+            eos_token_id=engine.eos_token_id,
+            tokenizer_json=None if tokenizer is None else tokenizer.to_str(),
+            stats=engine.stats(),
+        )
+    )
+
+
+def _serve(core: EngineCore, inbox: _SocketInbox, sink: _SocketSink, parent_pid: int) -> CoreExit:
+    """Run the loop on a thread of its own (see ``run_core``) until it ends; it stops by
+    itself once the API process is gone (the parent-pid check before every step)."""
+    ended: list[CoreExit] = []
+
+    def loop() -> None:
+        ended.append(core.run(inbox, sink, alive=lambda: os.getppid() == parent_pid))
+
+    worker = threading.Thread(target=loop, name="flashserve-engine")
+    worker.start()
+    worker.join()
+    return ended[0] if ended else CoreExit.FAILED
+
+
+def _close(engine: LLMEngine | None, ctx: zmq.Context) -> None:
+    if engine is not None:
         try:
-            core.engine.close()  # flush the SSD tier's write-behind
+            engine.close()  # flush the SSD tier's write-behind
         except Exception:
             logger.exception("closing the KV tier failed")
     ctx.destroy(linger=2000)
 
 
-def _loop(core: _Core, inbox: zmq.Socket, parent_pid: int) -> bool:
-    """Serve until shutdown (True) or until the API process is gone (False)."""
-    engine = core.engine
-    poller = zmq.Poller()
-    poller.register(inbox, zmq.POLLIN)
-    while True:
-        if os.getppid() != parent_pid:
-            logger.error("the API process is gone; the engine core exits")
-            return False
-        if not engine.has_unfinished_requests() and not poller.poll(int(IDLE_BEAT_S * 1000)):
-            core.send_step([])
-            continue
-        if not _drain(core, inbox):
-            return True
-        outputs = engine.step() if engine.has_unfinished_requests() else []
-        now = time.monotonic()
-        if outputs or now - core.last_sent >= BUSY_BEAT_S:
-            core.last_sent = now
-            core.send_step(outputs)
-        for out in outputs:
-            if out.published_pages is not None:
-                _wait_published(core, out.request_id, out.published_pages)
-
-
-def _drain(core: _Core, inbox: zmq.Socket) -> bool:
-    """Apply every queued message; False on shutdown."""
-    while True:
-        try:
-            data = inbox.recv(zmq.NOBLOCK, copy=False)
-        except zmq.Again:
-            return True
-        msg = wire.TO_CORE.decode(data.buffer)
-        if isinstance(msg, wire.ShutdownMsg):
-            return False
-        if isinstance(msg, wire.AbortMsg):
-            core.engine.abort(msg.request_id, report=msg.report)
-            core.publish_timeouts.pop(msg.request_id, None)
-            continue
-        core.applied_seqs += msg.num_seqs
-        try:
-            core.engine.add_request(wire.request_of(msg))
-        except Exception as exc:  # a RequestError (add_request validates), or a bug
-            core.send(wire.StepMsg([_failed(msg, exc)], core.engine.stats(), core.applied_seqs))
-            continue
-        if msg.prefill_only:
-            core.publish_timeouts[msg.request_id] = msg.publish_timeout
-
-
-def _failed(msg: wire.AddMsg, exc: BaseException) -> wire.WireOutput:
-    from engine.api.request import RequestMetrics, Usage
-
+def _failed(request: Request, exc: BaseException) -> wire.WireOutput:
+    """The one output of a request the core could not add."""
     return wire.WireOutput(
-        request_id=msg.request_id,
+        request_id=request.request_id,
         outputs=[],
         finished=True,
-        usage=Usage(prompt_tokens=len(msg.prompt_token_ids)),
-        metrics=RequestMetrics(arrival_time=msg.arrival_time),
+        usage=Usage(prompt_tokens=len(request.prompt_token_ids)),
+        metrics=RequestMetrics(arrival_time=request.arrival_time),
         prompt_logprobs=None,
         published_pages=None,
         error=wire.wire_error(exc),
     )
-
-
-def _wait_published(core: _Core, request_id: str, chain: list[bytes]) -> None:
-    """Wait for a prefill's SSD writes off the loop; then tell the API side."""
-    timeout = core.publish_timeouts.pop(request_id, None)
-
-    def wait() -> None:
-        try:
-            pages = core.engine.kv.wait_published(chain, timeout)
-        except Exception:
-            logger.exception("waiting for published pages failed")
-            pages = 0
-        core.send(wire.PublishedMsg(request_id, pages))
-
-    threading.Thread(target=wait, name="flashserve-publish", daemon=True).start()

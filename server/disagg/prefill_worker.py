@@ -22,8 +22,8 @@ from fastapi import Request as HttpRequest
 from fastapi.responses import Response
 from pydantic import BaseModel
 
-from engine.api.async_engine import PrefillResult
 from engine.api.errors import RequestError
+from engine.api.protocol import PrefillResult
 from engine.api.request import Request
 from engine.api.sampling_params import SamplingParams
 from server.http.auth import tenant_salt

@@ -21,8 +21,8 @@ from typing import Any, TypeVar
 
 from tokenizers import Tokenizer
 
-from engine.api.core_client import EngineClient
 from engine.api.errors import RequestError
+from engine.api.protocol import EngineClient
 from engine.api.request import CompletionOutput, Request, RequestOutput, TokenLogprob, Usage
 from server.disagg.handover import (
     ARRIVAL_HEADER,

@@ -1,4 +1,6 @@
-"""AsyncEngine: concurrent streams from asyncio, early close and abort free pages."""
+"""AsyncEngine alone: over a prebuilt engine its streams match the float64 oracle, and a
+step that raises fails every stream and stops the loop. What it shares with the core
+process's client is tested once for both in test_engine_client.py."""
 
 from __future__ import annotations
 
@@ -6,12 +8,11 @@ import asyncio
 import time
 
 import pytest
-from engine_helpers import greedy, prompt, reference_engine
+from engine_helpers import fake_engine, greedy, prompt, reference_engine
 
-from engine.api.async_engine import AsyncEngine, EngineDeadError
-from engine.api.errors import RequestError
+from engine.api.async_engine import AsyncEngine
+from engine.api.errors import EngineDeadError
 from engine.api.request import Request
-from engine.config import EngineConfig
 
 
 @pytest.fixture
@@ -69,83 +70,49 @@ def test_concurrent_generate_streams_match_reference(async_engine, oracle):
     assert async_engine.stats().counters.requests_finished == 3
 
 
-def test_closing_the_iterator_early_aborts_and_frees_pages(async_engine):
-    async def main():
-        stream = async_engine.generate(Request("long", prompt(40, 9), greedy(500)))
-        first = await stream.__anext__()
-        assert not first.finished and len(tokens_of([first])) == 1
-        assert async_engine.stats().kv.device_pages_in_use > 0
-        await stream.aclose()
-        await wait_for(lambda: async_engine.stats().kv.device_pages_in_use == 0)
-        assert async_engine.stats().counters.finished == {"abort": 1}
+class FailingRunner:
+    """Wraps a runner; ``execute`` raises once ``fail`` is set (a step that blows up)."""
 
-        # An id is free again as soon as its consumer closes, and the new
-        # stream sees nothing of the old request.
-        stream = async_engine.generate(Request("again", prompt(40, 9), greedy(500)))
-        await stream.__anext__()
-        await stream.aclose()
-        again = await collect(async_engine, Request("again", prompt(40, 9), greedy(2)))
-        assert len(tokens_of(again)) == 2 and again[-1].outputs[0].finish_reason == "length"
-        await wait_for(lambda: async_engine.stats().kv.device_pages_in_use == 0)
+    def __init__(self, inner) -> None:
+        import threading
 
-    asyncio.run(main())
-    stats = async_engine.stats()
-    assert stats.counters.finished == {"abort": 2, "length": 1}
-    assert stats.running == stats.waiting == 0
+        self.inner, self.fail = inner, threading.Event()
+
+    def execute(self, batch):
+        if self.fail.is_set():
+            raise RuntimeError("the device fell over")
+        return self.inner.execute(batch)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
 
 
-def test_cancelled_consumer_and_explicit_abort(async_engine):
-    async def main():
-        started = asyncio.Event()
-
-        async def consume(rid: str) -> list:
-            outs = []
-            async for out in async_engine.generate(Request(rid, prompt(20, 11), greedy(500))):
-                outs.append(out)
-                started.set()
-            return outs
-
-        task = asyncio.create_task(consume("cancelled"))
-        await started.wait()
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        await wait_for(lambda: async_engine.stats().counters.finished.get("abort") == 1)
-
-        # abort() from outside: the consumer sees the final "abort" output.
-        started.clear()
-        task = asyncio.create_task(consume("aborted"))
-        await started.wait()
-        async_engine.abort("aborted")
-        outs = await task
-        assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
-        await wait_for(lambda: async_engine.stats().kv.device_pages_in_use == 0)
-
-    asyncio.run(main())
-
-
-def test_invalid_and_duplicate_requests_raise(async_engine):
-    async def main():
-        with pytest.raises(RequestError, match="empty") as empty:
-            await collect(async_engine, Request("e", [], greedy(1)))
-        assert empty.value.param == "prompt_token_ids"
-        stream = async_engine.generate(Request("d", prompt(12, 1), greedy(100)))
-        await stream.__anext__()
-        with pytest.raises(ValueError, match="already in flight"):
-            await collect(async_engine, Request("d", prompt(12, 1), greedy(1)))
-        await stream.aclose()
-
-    asyncio.run(main())
-
-
-def test_tiny_engine_builds_generates_and_shuts_down():
-    ae = AsyncEngine(EngineConfig(runner="reference", page_tokens=16, kv_cache_bytes=1 << 22))
+def test_a_failed_step_fails_every_stream_and_stops_the_loop():
+    engine, runner = fake_engine()
+    failing = FailingRunner(runner)
+    engine.runner = failing
+    ae = AsyncEngine(engine.config, engine=engine)
     try:
-        outputs = asyncio.run(collect(ae, Request("t", prompt(12, 5), greedy(3))))
-        assert len(tokens_of(outputs)) == 3 and outputs[-1].finished
-        assert outputs[-1].usage.completion_tokens == 3
+
+        async def main():
+            outs: dict[str, list] = {"x": [], "y": []}
+
+            async def consume(rid: str) -> None:
+                async for out in ae.generate(Request(rid, [3, 4, 5], greedy(10_000))):
+                    outs[rid].append(out)
+
+            tasks = [asyncio.create_task(consume(rid)) for rid in outs]
+            await wait_for(lambda: all(outs.values()))
+            failing.fail.set()
+            for task in tasks:
+                with pytest.raises(EngineDeadError, match=r"engine step failed.*fell over"):
+                    await asyncio.wait_for(task, 10)
+            await wait_for(lambda: not ae.is_running)
+            # New requests are refused, the step's exception chained.
+            with pytest.raises(EngineDeadError, match="not running") as info:
+                await collect(ae, Request("late", [3, 4], greedy(1)))
+            assert isinstance(info.value.__cause__, RuntimeError)
+
+        asyncio.run(main())
     finally:
-        ae.shutdown()
-    assert not ae.is_running
-    with pytest.raises(EngineDeadError):
-        asyncio.run(collect(ae, Request("late", prompt(12, 5), greedy(1))))
+        ae.shutdown(timeout=10)

@@ -13,8 +13,8 @@ import pytest
 import torch
 from engine_helpers import fake_engine, greedy, run_to_completion, token_stream
 
-from engine.api.async_engine import AsyncEngine, RequestFailedError
-from engine.api.errors import RequestError
+from engine.api.async_engine import AsyncEngine
+from engine.api.errors import RequestError, RequestFailedError
 from engine.api.request import Request
 from engine.api.sampling_params import SamplingParams, StructuredOutputSpec
 from engine.sample.sampler import apply_token_masks
