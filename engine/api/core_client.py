@@ -75,6 +75,7 @@ class EngineCoreClient(StreamingClient):
         self._in.setsockopt(zmq.LINGER, 0)
         self._in.bind(f"ipc://{self._dir}/from-core")
         self._send_lock = threading.Lock()
+        self._closed = False  # the sockets are gone (shutdown, or a start that failed)
         spec = CoreSpec(
             config=engine_config,
             model=str(model),
@@ -173,6 +174,8 @@ class EngineCoreClient(StreamingClient):
 
     def _send(self, msg: bytes) -> None:
         with self._send_lock:
+            if self._closed:
+                raise EngineDeadError("the engine core is not reachable")
             try:
                 self._out.send(msg, zmq.NOBLOCK, copy=False)
             except zmq.Again:  # no peer: the core is gone
@@ -245,5 +248,10 @@ class EngineCoreClient(StreamingClient):
         self._proc.join(5.0)
 
     def _close_sockets(self) -> None:
-        self._zmq.destroy(linger=0)
+        # Under the send lock: a stream closing on the event loop sends its abort
+        # while shutdown runs on another thread, and a socket must not be used while
+        # its context is destroyed (zmq's term then waits forever).
+        with self._send_lock:
+            self._closed = True
+            self._zmq.destroy(linger=0)
         shutil.rmtree(self._dir, ignore_errors=True)
