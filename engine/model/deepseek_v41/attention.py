@@ -24,37 +24,16 @@ from engine.model.deepseek_v41.candidates import (
 from engine.model.deepseek_v41.compressor import Compressor
 from engine.model.deepseek_v41.config import LayerRole, ModelConfig
 from engine.model.deepseek_v41.fp8_linear import linear32
+from engine.model.deepseek_v41.grouped_linear import GroupedLinear
 from engine.model.deepseek_v41.indexer import Indexer
 from engine.model.deepseek_v41.norm import RMSNorm
 from engine.model.deepseek_v41.rope import rope_inv_freq, rope_tail
 from engine.model.kv.kv_backend import KVBackend
 from engine.model.parallel import SINGLE, Parallel
-from engine.model.precision import upcast
 
 
 def _linear32(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
     return linear32(x, layer)  # packed (Fp8Linear) or not
-
-
-class GroupedLinear(nn.Module):
-    """Block-diagonal projection: group g maps its own input slice to ``out_per_group``.
-
-    ``weight`` is ``[n_groups * out_per_group, in_per_group]``, the checkpoint's
-    ``wo_a.weight``: rows ``g * out_per_group ..`` belong to group g (the layout
-    vLLM's ``wo_a.weight.view(G, o_lora_rank, -1)`` and transformers'
-    ``DeepseekV4GroupedLinear`` read).
-    """
-
-    def __init__(self, in_per_group: int, out_per_group: int, n_groups: int) -> None:
-        super().__init__()
-        self.n_groups = n_groups
-        self.out_per_group = out_per_group
-        self.weight = nn.Parameter(torch.empty(n_groups * out_per_group, in_per_group))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., n_groups, in_per_group] -> [..., n_groups, out_per_group], fp32."""
-        w = upcast(self.weight).view(self.n_groups, self.out_per_group, -1)
-        return torch.einsum("...gi,goi->...go", upcast(x), w)
 
 
 @dataclass(slots=True)

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.model.deepseek_v41.grouped_linear import GroupedLinear
 from engine.model.precision import compute_dtype, upcast
 from kernels.act_quant import quantize_act_e4m3
 from kernels.dispatch import use_triton
@@ -188,8 +189,6 @@ def linear32(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
 
 def packed_module(module: nn.Module) -> _Packed | None:
     """The packed twin of ``module`` (empty, on its device), or None when it has none."""
-    from engine.model.deepseek_v41.attention import GroupedLinear  # attention imports this module
-
     if isinstance(module, _Packed):
         return None
     if isinstance(module, nn.Linear) and module.bias is None:

@@ -14,10 +14,11 @@ import pytest
 import torch
 from torch import nn
 
-from engine.model.deepseek_v41.attention import Attention, GroupedLinear
+from engine.model.deepseek_v41.attention import Attention
 from engine.model.deepseek_v41.candidates import visible_entries
 from engine.model.deepseek_v41.compressor import Compressor, entry_positions
 from engine.model.deepseek_v41.config import ModelConfig
+from engine.model.deepseek_v41.grouped_linear import GroupedLinear
 from engine.model.deepseek_v41.indexer import Indexer
 from engine.model.deepseek_v41.norm import RMSNorm
 from engine.model.deepseek_v41.rope import rope_inv_freq, rope_tail
