@@ -36,6 +36,7 @@ def test_every_engine_config_field_has_a_flag() -> None:
         *("--tensor-parallel-size", "2", "--data-parallel-size", "4", "--enable-expert-parallel"),
         *("--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1"),
         *("--master-port", "29500", "--worker-timeout", "30", "--worker-threads", "4"),
+        *("--grammar-timeout", "2.5", "--grammar-cache-bytes", "4096", "--grammar-workers", "3"),
     )
     config = serve_cmd.engine_config(args)
     expected = {
@@ -66,6 +67,9 @@ def test_every_engine_config_field_has_a_flag() -> None:
         "master_port": 29500,
         "worker_timeout_s": 30.0,
         "worker_threads": 4,
+        "grammar_timeout_s": 2.5,
+        "grammar_cache_bytes": 4096,
+        "grammar_workers": 3,
     }
     # A new EngineConfig field without a flag fails here.
     assert {f.name for f in dataclasses.fields(EngineConfig)} == set(expected)
