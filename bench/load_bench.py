@@ -42,8 +42,10 @@ from safetensors.torch import save_file  # noqa: E402
 
 from engine.loader.checkpoint import empty_model  # noqa: E402
 from engine.loader.files import INDEX_FILE  # noqa: E402
-from engine.loader.formats import WeightFormat, scale_name, stored_shapes, weight_format  # noqa: E402
+from engine.loader.formats import stored_shapes  # noqa: E402
 from engine.model.deepseek_v41.config import ModelConfig, engram_table_primes  # noqa: E402
+from engine.model.deepseek_v41.weight_names import WEIGHTS  # noqa: E402
+from engine.model.weights import WeightFormat, scale_name  # noqa: E402
 
 SHARD_SLACK = 1.3  # peak RSS allowance per byte of the largest shard
 
@@ -73,7 +75,7 @@ def _base(experts: int, engram_vocab: int) -> ModelConfig:
 
 def _stored(name: str, shape: tuple[int, ...]) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     """The stored tensors of one model tensor: name -> (dtype, shape)."""
-    fmt = weight_format(name)
+    fmt = WEIGHTS.format_of(name)
     if fmt is None:
         raise ValueError(f"{name} has no storage format")
     weight_shape, scale_shape = stored_shapes(fmt, shape)

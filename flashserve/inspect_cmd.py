@@ -7,7 +7,10 @@ import json
 import sys
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.model.weights import WeightRules
 
 NAME = "inspect"
 HELP = (
@@ -98,10 +101,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     plan.add_argument("--kv-dtype", choices=("fp4", "bf16"), default="fp4")
 
 
-def checkpoint_summary(path: Path) -> dict[str, Any]:
-    """What a checkpoint directory stores: tensors and bytes per dtype, skipped kinds."""
+def checkpoint_summary(path: Path, rules: WeightRules) -> dict[str, Any]:
+    """What a checkpoint directory stores: tensors and bytes per dtype, the kinds
+    its model's name rules ``rules`` skip."""
     from engine.loader.files import iter_checkpoint_tensors
-    from engine.loader.formats import skipped_kind
 
     by_dtype: dict[str, dict[str, int]] = {}
     skipped: dict[str, int] = {}
@@ -111,7 +114,7 @@ def checkpoint_summary(path: Path) -> dict[str, Any]:
         entry = by_dtype.setdefault(tensor.dtype, {"tensors": 0, "bytes": 0})
         entry["tensors"] += 1
         entry["bytes"] += tensor.nbytes
-        kind = skipped_kind(tensor.name)
+        kind = rules.skipped(tensor.name)
         if kind is not None:
             skipped[kind] = skipped.get(kind, 0) + 1
     return {
@@ -126,13 +129,14 @@ def report(model: str) -> dict[str, Any]:
     """The JSON object ``inspect --json`` prints."""
     from engine.loader.files import INDEX_FILE, SINGLE_FILE
     from engine.model.deepseek_v41.config import ModelConfig
+    from engine.model.registry import spec_of
     from engine.planning.accounting import account
 
     config = ModelConfig.preset(model)
     out: dict[str, Any] = {"model": model, **account(config).to_dict()}
     path = Path(model)
     if path.is_dir() and ((path / SINGLE_FILE).exists() or (path / INDEX_FILE).exists()):
-        out["checkpoint"] = checkpoint_summary(path)
+        out["checkpoint"] = checkpoint_summary(path, spec_of(config).weights)
     return out
 
 

@@ -17,13 +17,15 @@ import torch
 from torch import nn
 
 from engine.loader.checkpoint_writer import encode_tensor
-from engine.loader.formats import WeightFormat, dequantize, scale_name, weight_format
+from engine.loader.formats import dequantize
+from engine.model.deepseek_v41.weight_names import WEIGHTS
+from engine.model.weights import WeightFormat, scale_name
 
 
 def served_value(name: str, value: torch.Tensor) -> torch.Tensor:
     """``value`` after a trip through the checkpoint: what ``load_checkpoint`` returns for it."""
-    fmt = weight_format(name)
-    stored = encode_tensor(name, value)
+    fmt = WEIGHTS.format_of(name)
+    stored = encode_tensor(name, value, WEIGHTS)
     if fmt is None or not fmt.quantised:
         return stored[name].to(value.dtype)
     return dequantize(fmt, stored[name], stored[scale_name(name)], value.dtype)
@@ -31,7 +33,7 @@ def served_value(name: str, value: torch.Tensor) -> torch.Tensor:
 
 def lossy(name: str) -> bool:
     """Parameters whose stored form is not their fp32 value."""
-    fmt = weight_format(name)
+    fmt = WEIGHTS.format_of(name)
     return fmt is not None and fmt is not WeightFormat.FP32
 
 

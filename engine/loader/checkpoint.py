@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from engine.loader.files import Shards, weight_map
-from engine.loader.formats import WeightFormat, check_quantization, scale_name, weight_format
+from engine.loader.formats import check_quantization
 from engine.loader.plan import (
     LeftOut,
     LoadOptions,
@@ -38,6 +38,7 @@ from engine.model.deepseek_v41.fp8_linear import pack_linears
 from engine.model.deepseek_v41.routed_experts import packed_experts
 from engine.model.parallel import SINGLE, Parallel, expert_of
 from engine.model.registry import read_config, spec_of
+from engine.model.weights import WeightFormat, WeightRules, scale_name
 
 logger = logging.getLogger(__name__)
 
@@ -84,19 +85,22 @@ def load_checkpoint(
     files = weight_map(path)
     with Shards(files) as shards:
         if engram_mmap is None:
-            engram_mmap = _wants_engram_mmap(files, shards)
-        experts_packed = quantization == "auto" and experts_stored_packed(files, shards)
+            engram_mmap = _wants_engram_mmap(files, shards, spec.weights)
+        experts_packed = quantization == "auto" and experts_stored_packed(
+            files, shards, spec.weights
+        )
     model = _build(spec.model_class, config, dtype, device, engram_mmap, experts_packed, parallel)
     if encoder_only:
         model.drop_decoder_layers()
     packed_linears: list[str] = []
     if quantization == "auto":
         with Shards(files) as shards:
-            names = packable_weights(list(model.state_dict(keep_vars=True)), files, shards)
+            names = list(model.state_dict(keep_vars=True))
+            names = packable_weights(names, files, shards, spec.weights)
         packed_linears = pack_linears(model, names)
         check_tp_packed(model, packed_linears, parallel)
     left_out = _left_out(config, len(model.layers), parallel)
-    options = LoadOptions(dtype, engram_mmap, frozenset(packed_linears), parallel, left_out)
+    options = LoadOptions(spec, dtype, engram_mmap, frozenset(packed_linears), parallel, left_out)
     with Shards(files) as shards, torch.no_grad():
         plan = plan_reads(model, files, shards, options)
     if plan.absent:
@@ -128,10 +132,10 @@ def _left_out(config: ModelConfig, kept_layers: int, parallel: Parallel) -> Left
     return left_out
 
 
-def _wants_engram_mmap(files: dict[str, Path], shards: Shards) -> bool:
+def _wants_engram_mmap(files: dict[str, Path], shards: Shards, rules: WeightRules) -> bool:
     """The default of ``engram_mmap``: the stored tables exceed ``ENGRAM_MMAP_MIN_BYTES``."""
     stored = 0
-    for name in (n for n in files if weight_format(n) is WeightFormat.FP8_ROWS):
+    for name in (n for n in files if rules.format_of(n) is WeightFormat.FP8_ROWS):
         for part in (name, scale_name(name)):
             if part in files:
                 stored += shards.nbytes(part)
@@ -203,12 +207,19 @@ def empty_model(
     a TP-split linear is packed as this rank's shard (``check_tp_packed``).
     """
     check_quantization(quantization)
-    model_class = spec_of(config).model_class
+    spec = spec_of(config)
     model = _build(
-        model_class, config, dtype, device, engram_tables_on_meta, quantization == "auto", parallel
+        spec.model_class,
+        config,
+        dtype,
+        device,
+        engram_tables_on_meta,
+        quantization == "auto",
+        parallel,
     )
     if quantization == "auto":
-        names = [n for n in model.state_dict() if weight_format(n) is WeightFormat.FP8_BLOCK]
+        fp8 = WeightFormat.FP8_BLOCK
+        names = [n for n in model.state_dict() if spec.weights.format_of(n) is fp8]
         check_tp_packed(model, pack_linears(model, names), parallel)
     return model
 

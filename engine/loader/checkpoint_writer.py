@@ -1,7 +1,8 @@
 """Write a model as an official-layout checkpoint; build the tiny one.
 
-``save_checkpoint`` stores every tensor in the format ``weight_format`` gives it
-(FP8 blocks, MXFP4 experts, FP8 Engram rows, BF16, FP32), so a checkpoint made
+``save_checkpoint`` stores every tensor in the format its model's name rules give
+it (``ModelSpec.weights``, engine/model/registry.py: for DeepSeek-V4.1 FP8 blocks,
+MXFP4 experts, FP8 Engram rows, BF16, FP32), so a checkpoint made
 here exercises the same loader path as the released weights. ``make_tiny``
 adds a seeded random ``ModelConfig.tiny()`` model and the DeepSeek tokenizer.
 """
@@ -19,15 +20,10 @@ from safetensors.torch import save_file
 from torch import nn
 
 from engine.loader.files import INDEX_FILE, SINGLE_FILE
-from engine.loader.formats import (
-    CheckpointError,
-    WeightFormat,
-    scale_name,
-    stored_shapes,
-    weight_format,
-)
+from engine.loader.formats import CheckpointError, stored_shapes
 from engine.model.deepseek_v41.config import ModelConfig
-from engine.model.registry import spec_of
+from engine.model.registry import ModelSpec, spec_of
+from engine.model.weights import WeightFormat, WeightRules, scale_name
 from kernels.weight_formats import quantize_fp8_block, quantize_fp8_rows, quantize_mxfp4_weight
 
 # Bytes per element on disk: quantised weights and E8M0 scales are one byte each.
@@ -48,9 +44,10 @@ def _e8m0(scale: torch.Tensor) -> torch.Tensor:
     return scale.to(torch.float8_e8m0fnu)  # a float power of two
 
 
-def encode_tensor(name: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The stored tensors (the weight and, when quantised, its ``.scale``) for ``name``."""
-    fmt = weight_format(name)
+def encode_tensor(name: str, value: torch.Tensor, rules: WeightRules) -> dict[str, torch.Tensor]:
+    """The stored tensors (the weight and, when quantised, its ``.scale``) for ``name``,
+    in the format ``rules`` give it."""
+    fmt = rules.format_of(name)
     if fmt is None:
         raise CheckpointError(name, "has no storage format in the decision table")
     value = value.detach().to("cpu", torch.float32)
@@ -67,9 +64,9 @@ def encode_tensor(name: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
     return {name: weight.contiguous(), scale_name(name): _e8m0(scale).contiguous()}
 
 
-def stored_nbytes(name: str, shape: tuple[int, ...]) -> int:
+def stored_nbytes(name: str, shape: tuple[int, ...], rules: WeightRules) -> int:
     """Bytes ``name`` and its scale take on disk, computed from the shape alone."""
-    fmt = weight_format(name)
+    fmt = rules.format_of(name)
     if fmt is None:
         raise CheckpointError(name, "has no storage format in the decision table")
     weight_shape, scale_shape = stored_shapes(fmt, shape)
@@ -111,12 +108,17 @@ def save_checkpoint(
     *,
     shard_bytes: int | None = None,
     extra_tensors: dict[str, torch.Tensor] | None = None,
+    spec: ModelSpec | None = None,
 ) -> Path:
     """Write ``config.json`` and the weights; shards plus an index when ``shard_bytes`` is set.
 
     ``extra_tensors`` are written as they are, beside the model's: tensors of a
     release that the text model does not hold (DSpark ``mtp.*``, the vision tower).
+    ``spec``: the registry entry the checkpoint is of (its ``model_type`` goes in
+    ``config.json``, its name rules pick each tensor's format); None: the entry
+    of ``config``'s class.
     """
+    spec = spec or spec_of(config)
     mapped = [n for n, m in model.named_modules() if getattr(m, "table", None) is not None]
     if mapped:
         # Their rows are not in state_dict: the checkpoint would lack the tables.
@@ -126,7 +128,9 @@ def save_checkpoint(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "config.json", "w", encoding="utf-8") as f:
-        json.dump(config.to_dict(), f, indent=2, ensure_ascii=False)
+        json.dump(
+            config.to_dict() | {"model_type": spec.model_type}, f, indent=2, ensure_ascii=False
+        )
         f.write("\n")
     _remove_old_weights(out)
     state = dict(model.state_dict())
@@ -138,7 +142,7 @@ def save_checkpoint(
     sizes = {
         name: t.nbytes + packed[name].nbytes
         if name in packed
-        else stored_nbytes(name, tuple(t.shape))
+        else stored_nbytes(name, tuple(t.shape), spec.weights)
         for name, t in state.items()
     }
     sizes |= {name: t.numel() * t.element_size() for name, t in extras.items()}
@@ -159,7 +163,7 @@ def save_checkpoint(
                 tensors[name] = state[name].contiguous()
                 tensors[scale_name(name)] = _e8m0(packed[name]).contiguous()
             else:
-                tensors.update(encode_tensor(name, state[name]))
+                tensors.update(encode_tensor(name, state[name], spec.weights))
         save_file(tensors, out / file, metadata={"format": "pt"})
         for stored, tensor in tensors.items():
             weight_map[stored] = file

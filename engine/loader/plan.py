@@ -7,6 +7,11 @@ a time, copied byte for byte into a packed buffer (routed experts, FP8 linears),
 cut to this rank's TP shard (engine/loader/tp_shards.py) or, for an Engram table
 left in the checkpoint's files, mapped instead of read. ``stream_into``
 (engine/loader/weight_stream.py) performs the reads.
+
+Which tensor is stored how, what is skipped and what may be absent are the
+model's name rules (``WeightRules``); the stacked packed modules and the mapped
+tables are reached through its ``LoadHooks`` (both on its registry entry,
+engine/model/registry.py), so nothing here names a model's tensors or classes.
 """
 
 from __future__ import annotations
@@ -23,20 +28,14 @@ from engine.loader.formats import (
     FLOAT_DTYPES,
     QUANT_BLOCK,
     CheckpointError,
-    WeightFormat,
     dequantize,
-    optional_tensor,
-    scale_name,
-    skipped_kind,
     stored_shapes,
-    weight_format,
 )
 from engine.loader.tp_shards import tp_packed_reads, tp_shard_read, tp_shard_targets
 from engine.loader.weight_stream import TensorRead
-from engine.model.deepseek_v41.engram import Engram
-from engine.model.deepseek_v41.engram_table import MappedEngramTable, tensor_span
-from engine.model.deepseek_v41.routed_experts import SCALE, RoutedExperts
 from engine.model.parallel import Parallel
+from engine.model.registry import ModelSpec, PackedSlice
+from engine.model.weights import WeightFormat, WeightRules, scale_name
 
 # The kind of a tensor a load leaves out on purpose (its notice), or None.
 LeftOut = Callable[[str], str | None]
@@ -55,12 +54,14 @@ def _check(name: str, found: tuple[int, ...], expected: tuple[int, ...], what: s
         raise CheckpointError(name, f"has shape {list(found)}, expected {list(expected)} ({what})")
 
 
-def _loadable(files: dict[str, Path], also_skip: LeftOut | None) -> tuple[set[str], dict[str, int]]:
+def _loadable(
+    files: dict[str, Path], rules: WeightRules, also_skip: LeftOut | None
+) -> tuple[set[str], dict[str, int]]:
     """The stored names this load reads, and the count of each kind it skips."""
     skipped: dict[str, int] = {}
     loadable = set()
     for name in files:
-        kind = skipped_kind(name) or (also_skip(name) if also_skip else None)
+        kind = rules.skipped(name) or (also_skip(name) if also_skip else None)
         if kind is None:
             loadable.add(name)
         else:
@@ -72,20 +73,22 @@ def plan_tensors(
     targets: dict[str, torch.Tensor],
     files: dict[str, Path],
     shards: Shards,
+    rules: WeightRules,
     also_skip: LeftOut | None = None,
 ) -> tuple[list[PlannedTensor], dict[str, int]]:
     """Validate names, dtypes and shapes from headers before any data is read.
 
+    ``rules``: the model's storage formats, skipped kinds and optional tensors;
     ``also_skip``: the kind of a tensor this load leaves out on purpose, or None."""
-    loadable, skipped = _loadable(files, also_skip)
-    scales = {scale_name(n) for n in targets if (f := weight_format(n)) and f.quantised}
+    loadable, skipped = _loadable(files, rules, also_skip)
+    scales = {scale_name(n) for n in targets if (f := rules.format_of(n)) and f.quantised}
     unexpected = sorted(loadable - targets.keys() - scales)
     if unexpected:
         raise CheckpointError(
             unexpected[0],
             f"unexpected in the checkpoint, no such model tensor ({len(unexpected)} in all)",
         )
-    missing = [name for name in targets if name not in loadable and not optional_tensor(name)]
+    missing = [name for name in targets if name not in loadable and not rules.optional(name)]
     if missing:
         raise CheckpointError(
             missing[0],
@@ -97,7 +100,7 @@ def plan_tensors(
     for name, target in targets.items():
         if name not in loadable:  # an optional tensor this export leaves out
             continue
-        fmt = weight_format(name)
+        fmt = rules.format_of(name)
         shape = tuple(target.shape)
         dtype, found = shards.header(name)
         scale = scale_name(name)
@@ -137,43 +140,29 @@ def tensor_read(entry: PlannedTensor, target: torch.Tensor, shards: Shards) -> T
 # ----------------------------------------------------------------- routed experts
 
 
-def experts_stored_packed(files: dict[str, Path], shards: Shards) -> bool:
+def experts_stored_packed(files: dict[str, Path], shards: Shards, rules: WeightRules) -> bool:
     """True when the checkpoint has routed experts and stores every one as MXFP4 bytes."""
-    names = [n for n in files if weight_format(n) is WeightFormat.MXFP4 and not skipped_kind(n)]
+    names = [n for n in files if rules.format_of(n) is WeightFormat.MXFP4 and not rules.skipped(n)]
     return bool(names) and all(shards.header(n)[0] not in FLOAT_DTYPES for n in names)
 
 
-@dataclass(frozen=True, slots=True)
-class PackedExpert:
-    """Where one packed expert projection's stored bytes go: slices of the stacked buffers."""
-
-    weight: torch.Tensor  # int8 [out, in / 2], a view of the module's stacked buffer
-    scale: torch.Tensor  # uint8 [out, in / 32]
-
-
 def packed_expert_targets(
-    model: nn.Module, targets: dict[str, torch.Tensor]
-) -> dict[str, PackedExpert]:
-    """Take the packed experts' entries out of ``targets`` (state-dict views).
+    model: nn.Module, targets: dict[str, torch.Tensor], spec: ModelSpec
+) -> dict[str, PackedSlice]:
+    """Take the packed stacked modules' entries (the routed experts, by the
+    model's ``LoadHooks.packed_slices``) out of ``targets`` (state-dict views).
 
     Each weight is replaced by a ``meta`` placeholder of its logical shape, so
     ``plan_tensors`` checks the stored shapes exactly as for a dequantised load;
     its scale entry leaves ``targets`` (the plan expects it as the weight's sibling).
     """
-    packed: dict[str, PackedExpert] = {}
-    for prefix, module in model.named_modules():
-        if not isinstance(module, RoutedExperts) or not module.packed:
+    packed: dict[str, PackedSlice] = {}
+    for key, piece in spec.loading.packed_slices(model).items():
+        if key not in targets:  # a layer this load leaves out
             continue
-        for name, (n_experts, rows, cols) in module.shapes().items():
-            for e in range(n_experts):
-                key = f"{prefix}.{module.first + e}.{name}.weight"
-                if key not in targets:  # a layer this load leaves out
-                    continue
-                del targets[scale_name(key)]
-                targets[key] = torch.empty(rows, cols, device="meta")
-                packed[key] = PackedExpert(
-                    getattr(module, name)[e], getattr(module, name + SCALE)[e]
-                )
+        del targets[scale_name(key)]
+        targets[key] = torch.empty(*piece.shape, device="meta")
+        packed[key] = piece
     return packed
 
 
@@ -182,7 +171,7 @@ def _byte_copy(weight: torch.Tensor, scales: torch.Tensor | None) -> torch.Tenso
 
 
 def packed_expert_reads(
-    entry: PlannedTensor, target: PackedExpert, shards: Shards
+    entry: PlannedTensor, target: PackedSlice, shards: Shards
 ) -> list[TensorRead]:
     """Two byte-for-byte reads (the E2M1 pairs, the E8M0 scales): nothing dequantised."""
     if entry.quantised is not WeightFormat.MXFP4:
@@ -198,17 +187,19 @@ def packed_expert_reads(
 # ----------------------------------------------------------------- packed weights
 
 
-def packable_weights(names: list[str], files: dict[str, Path], shards: Shards) -> list[str]:
+def packable_weights(
+    names: list[str], files: dict[str, Path], shards: Shards, rules: WeightRules
+) -> list[str]:
     """The FP8_BLOCK weights among ``names`` that the checkpoint stores packed.
 
     Packed means ``F8_E4M3`` with an ``F8_E8M0`` (or ``U8``) ``.scale``; a BF16
     re-export of the same weight (or V3-style float scales) loads dequantised.
-    Routed experts (MXFP4) and Engram tables are not FP8_BLOCK: never here.
+    Routed experts (MXFP4) and lookup tables (FP8_ROWS) are not FP8_BLOCK: never here.
     """
     packable = []
     for name in names:
         scale = scale_name(name)
-        if weight_format(name) is not WeightFormat.FP8_BLOCK or name not in files:
+        if rules.format_of(name) is not WeightFormat.FP8_BLOCK or name not in files:
             continue
         if scale not in files or shards.header(name)[0] != "F8_E4M3":
             continue
@@ -233,22 +224,6 @@ def packed_reads(name: str, targets: dict[str, torch.Tensor], shards: Shards) ->
     return reads
 
 
-# ----------------------------------------------------------------- Engram tables
-
-
-def map_engram_table(
-    model: nn.Module, entry: PlannedTensor, files: dict[str, Path], dtype: torch.dtype
-) -> None:
-    """Attach the memory-mapped table ``entry`` to its Engram module; reads headers only."""
-    module = model.get_submodule(entry.name.removesuffix(".embed.weight"))
-    assert isinstance(module, Engram), entry.name
-    weight = tensor_span(files[entry.name], entry.name)
-    scale = None
-    if entry.quantised is not None:
-        scale = tensor_span(files[scale_name(entry.name)], scale_name(entry.name))
-    module.use_mapped_table(MappedEngramTable(weight, scale, dtype=dtype))
-
-
 # ----------------------------------------------------------------- the whole plan
 
 
@@ -256,7 +231,8 @@ def map_engram_table(
 class LoadOptions:
     """What a load keeps packed or mapped, and which share of the model it reads."""
 
-    dtype: torch.dtype  # of a mapped Engram table's rows
+    spec: ModelSpec  # the checkpoint's model: its name rules and load hooks
+    dtype: torch.dtype  # of a mapped table's rows
     engram_mmap: bool
     packed_linears: frozenset[str]  # FP8-block weights kept as their stored bytes
     parallel: Parallel
@@ -274,22 +250,24 @@ def plan_reads(
     model: nn.Module, files: dict[str, Path], shards: Shards, options: LoadOptions
 ) -> LoadPlan:
     """Every read that fills ``model`` from ``files``; optional tensors the export
-    lacks are zeroed and mapped Engram tables attached on the way (no data read)."""
+    lacks are zeroed and mapped tables attached on the way (no data read)."""
+    rules = options.spec.weights
     targets = model.state_dict(keep_vars=True)
-    packed = packed_expert_targets(model, targets)
+    packed = packed_expert_targets(model, targets, options.spec)
     tp = tp_shard_targets(targets, options.parallel)
     # A packed weight's `.scale` is a buffer of the model now: the plan sees it as
     # the weight's sibling, as for a dequantised load.
     packed_scales = {scale_name(n) for n in options.packed_linears}
     planned = {n: t for n, t in targets.items() if n not in packed_scales}
-    entries, skipped = plan_tensors(planned, files, shards, options.left_out)
+    entries, skipped = plan_tensors(planned, files, shards, rules, options.left_out)
     plan = LoadPlan(skipped=skipped)
-    plan.absent = [n for n in targets if optional_tensor(n) and n not in files]
+    plan.absent = [n for n in targets if rules.optional(n) and n not in files]
     for name in plan.absent:
         targets[name].zero_()
     for entry in entries:
-        if options.engram_mmap and weight_format(entry.name) is WeightFormat.FP8_ROWS:
-            map_engram_table(model, entry, files, options.dtype)
+        if options.engram_mmap and rules.format_of(entry.name) is WeightFormat.FP8_ROWS:
+            quantised = entry.quantised is not None
+            options.spec.loading.map_table(model, entry.name, files, quantised, options.dtype)
         elif entry.name in packed:
             plan.reads.extend(packed_expert_reads(entry, packed[entry.name], shards))
         elif entry.name in tp and entry.name in options.packed_linears:

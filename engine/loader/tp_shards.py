@@ -15,15 +15,10 @@ import torch
 from torch import nn
 
 from engine.loader.files import Shards
-from engine.loader.formats import (
-    QUANT_BLOCK,
-    CheckpointError,
-    WeightFormat,
-    dequantize,
-    scale_name,
-)
+from engine.loader.formats import QUANT_BLOCK, CheckpointError, dequantize
 from engine.loader.weight_stream import Convert, TensorRead
 from engine.model.parallel import Parallel, tp_split_dim
+from engine.model.weights import WeightFormat, scale_name
 
 
 @dataclass(frozen=True, slots=True)

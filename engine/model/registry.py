@@ -1,9 +1,12 @@
 """The model registry: a checkpoint config's ``model_type`` -> its ``ModelSpec``.
 
 A variant is one folder under ``engine/model/`` with a ``spec.py`` defining
-``SPEC`` plus one line in ``_KNOWN`` below. Entries are imported on first use,
-so naming a model type costs nothing until a config asks for it; tests may
-``register`` a spec of their own.
+``SPEC`` plus one line in ``_KNOWN`` below. A spec carries its checkpoint's name
+rules (``WeightRules``: which tensor is stored in which format, which it skips,
+which it may lack) and the loader's hooks into its modules (``LoadHooks``), so
+nothing in engine/loader/ or engine/planning/ names a model's tensors or classes.
+Entries are imported on first use, so naming a model type costs nothing until a
+config asks for it; tests may ``register`` a spec of their own.
 """
 
 from __future__ import annotations
@@ -11,12 +14,17 @@ from __future__ import annotations
 import importlib
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+from torch import nn
+
 from engine.model.base import CausalLM
 from engine.model.deepseek_v41.config import ConfigError, ModelConfig
+from engine.model.weights import WeightRules
 
 # model_type -> the module whose ``SPEC`` describes it.
 _KNOWN: dict[str, str] = {
@@ -38,6 +46,29 @@ class ParamRules:
 
 
 @dataclass(frozen=True, slots=True)
+class PackedSlice:
+    """Where one stored quantised tensor goes byte for byte: views of a module's
+    stacked buffers (e.g. one routed expert's projection)."""
+
+    shape: tuple[int, int]  # the logical [out, in] its stored form encodes
+    weight: torch.Tensor
+    scale: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class LoadHooks:
+    """What the loader (engine/loader/plan.py) asks of a model's modules beyond
+    copying into its state dict."""
+
+    # Stored weight name -> its slice, for every packed stacked module of the model.
+    packed_slices: Callable[[nn.Module], dict[str, PackedSlice]]
+    # Attach the FP8_ROWS table ``name`` to its module, mapped from ``files``
+    # (stored name -> shard; with its ``.scale`` when stored quantised) and
+    # gathered into ``dtype`` rows; reads headers only.
+    map_table: Callable[[nn.Module, str, dict[str, Path], bool, torch.dtype], None]
+
+
+@dataclass(frozen=True, slots=True)
 class ModelSpec:
     """Everything the engine outside a model's folder needs to load and plan it."""
 
@@ -45,6 +76,8 @@ class ModelSpec:
     config_class: type[ModelConfig]
     model_class: type[CausalLM]
     params: ParamRules
+    weights: WeightRules
+    loading: LoadHooks
 
 
 def register(spec: ModelSpec) -> None:

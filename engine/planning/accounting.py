@@ -2,7 +2,7 @@
 
 Parameter counts come from the shapes of the config's model (engine/model/registry.py)
 built on the ``meta`` device (nothing is allocated), classified by tensor name with
-the model's ``ParamRules``. KV bytes
+the model's ``ParamRules`` (and its lookup tables by its ``WeightRules``). KV bytes
 follow the record sizes of docs/design/architecture.md §1.10. What each "active" number
 includes is defined in docs/design/checkpoints.md.
 """
@@ -19,9 +19,9 @@ from typing import Any
 import torch
 
 from engine.loader.checkpoint import skip_init
-from engine.loader.formats import WeightFormat, weight_format
 from engine.model.deepseek_v41.config import ModelConfig
 from engine.model.registry import spec_of
+from engine.model.weights import WeightFormat, WeightRules
 from kernels import kv_formats
 
 
@@ -74,9 +74,9 @@ def _cached_shapes(config_json: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
     return tuple((name, tuple(p.shape)) for name, p in model.state_dict(keep_vars=True).items())
 
 
-def is_engram_table(name: str) -> bool:
+def is_engram_table(name: str, rules: WeightRules) -> bool:
     """Engram hash tables: the FP8-row tensors (lookups, ~196B rows x dims officially)."""
-    return weight_format(name) is WeightFormat.FP8_ROWS
+    return rules.format_of(name) is WeightFormat.FP8_ROWS
 
 
 def _as_number(value: Fraction) -> int | float:
@@ -97,7 +97,8 @@ def swa_kv_bytes_per_request(config: ModelConfig) -> int:
 def account(config: ModelConfig, shapes: dict[str, tuple[int, ...]] | None = None) -> Accounting:
     """Every number ``flashserve inspect`` prints for ``config``."""
     shapes = param_shapes(config) if shapes is None else shapes
-    rules = spec_of(config).params
+    spec = spec_of(config)
+    rules = spec.params
     n_layers, boundary = config.num_hidden_layers, config.ced_boundary
     total = [0] * n_layers
     routed = [0] * n_layers
@@ -114,7 +115,7 @@ def account(config: ModelConfig, shapes: dict[str, tuple[int, ...]] | None = Non
         total[layer] += numel
         if rules.routed_expert.match(local):
             routed[layer] += numel
-        if is_engram_table(name):
+        if is_engram_table(name, spec.weights):
             tables[layer] += numel
         elif layer == boundary and rules.kv_write.fullmatch(local):
             kv_write += numel

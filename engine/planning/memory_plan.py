@@ -8,7 +8,8 @@ capacity in tokens. The Engram tables are planned in host memory.
 
 Parameter shapes come from ``engine.planning.accounting.param_shapes`` (the model
 built on ``meta``) and each tensor's storage format from
-``engine.loader.checkpoint.weight_format``; nothing here re-derives a shape.
+the model's name rules (``ModelSpec.weights``, engine/model/registry.py); nothing
+here re-derives a shape.
 
 The topology (``Topology``, vLLM's flag names) says how the weights are
 split over ``devices = T x D`` ranks, rank ``r = dp_rank * T + tp_rank`` (a TP
@@ -45,10 +46,11 @@ from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from engine.loader.formats import QUANT_BLOCK, WeightFormat, weight_format
+from engine.loader.formats import QUANT_BLOCK
 from engine.model.deepseek_v41.config import ModelConfig
 from engine.model.parallel import tp_split_dim
 from engine.model.registry import spec_of
+from engine.model.weights import WeightFormat
 from engine.planning.accounting import param_shapes, swa_kv_bytes_per_request
 from kvstore.device.layout import kv_layout
 
@@ -178,18 +180,19 @@ def weight_bytes(
     shapes: dict[str, tuple[int, ...]] | None = None,
     tensor_parallel_size: int = 1,
 ) -> WeightBytes:
-    """Bytes of one rank by kind, as the release stores each tensor (``weight_format``).
+    """Bytes of one rank by kind, as the release stores each tensor (``ModelSpec.weights``).
 
     ``tensor_parallel_size`` T: the tensors TP splits (``tp_shard_shape``) count
     one T-th, their scales ``ceil`` of the shard's blocks.
     """
     shapes = param_shapes(config) if shapes is None else shapes
-    embed_head = spec_of(config).params.embed_head
+    spec = spec_of(config)
+    embed_head = spec.params.embed_head
     replicated = dict.fromkeys(WeightKind, 0)
     experts = {WeightKind.EXPERTS_FP4: 0, WeightKind.EXPERTS_FP4_SCALES: 0}
     host = dict.fromkeys(HostKind, 0)
     for name, full in shapes.items():
-        fmt = weight_format(name)
+        fmt = spec.weights.format_of(name)
         split = tp_shard_shape(name, full, tensor_parallel_size)
         shape = full if split is None else split
         numel = math.prod(shape)

@@ -25,7 +25,6 @@ from engine.loader.builder import build_engine
 from engine.loader.checkpoint import empty_model, load_checkpoint
 from engine.loader.checkpoint_writer import make_tiny, save_checkpoint, stored_nbytes
 from engine.loader.files import SINGLE_FILE
-from engine.loader.formats import WeightFormat, scale_name, skipped_kind, weight_format
 from engine.model.deepseek_v41 import attention, indexer
 from engine.model.deepseek_v41.config import ModelConfig
 from engine.model.deepseek_v41.fp8_linear import (
@@ -35,7 +34,9 @@ from engine.model.deepseek_v41.fp8_linear import (
     packed_modules,
 )
 from engine.model.deepseek_v41.reference import forward, reference_generate
+from engine.model.deepseek_v41.weight_names import WEIGHTS
 from engine.model.precision import upcast
+from engine.model.weights import WeightFormat, scale_name
 from kernels.act_quant import fake_quant_act_fp8, quantize_act_fp8
 from kernels.weight_formats import dequantize_fp8_block
 
@@ -61,7 +62,7 @@ def _fp8_block_names(stored: dict[str, torch.Tensor]) -> set[str]:
     return {
         n
         for n, t in stored.items()
-        if weight_format(n) is WeightFormat.FP8_BLOCK and t.dtype == torch.float8_e4m3fn
+        if WEIGHTS.format_of(n) is WeightFormat.FP8_BLOCK and t.dtype == torch.float8_e4m3fn
     }
 
 
@@ -76,7 +77,9 @@ def _check_packed_bytes(model: nn.Module, stored: dict[str, torch.Tensor]) -> No
         assert torch.equal(_bits(module.scale), _bits(scale)), name
         # Resident bytes of the linear are its stored bytes, by the writer's count too.
         assert module.resident_bytes == weight.nbytes + scale.nbytes
-        assert module.resident_bytes == stored_nbytes(f"{name}.weight", tuple(weight.shape))
+        assert module.resident_bytes == stored_nbytes(
+            f"{name}.weight", tuple(weight.shape), WEIGHTS
+        )
 
 
 # ----------------------------------------------------------------- loading
@@ -178,7 +181,7 @@ def test_save_of_a_packed_model_writes_the_same_bytes(
     with safe_open(tmp_path / SINGLE_FILE, framework="pt") as f:
         again = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
     # (make_tiny adds DSpark and vision tensors, which the text model does not hold.)
-    assert again.keys() == {n for n in stored if skipped_kind(n) is None}
+    assert again.keys() == {n for n in stored if WEIGHTS.skipped(n) is None}
     # The packed linears' bytes go back out as they came in (MXFP4 experts are
     # dequantised at load and re-quantised: not this path's).
     packed = _fp8_block_names(stored)
@@ -194,11 +197,11 @@ def test_empty_model_auto_packs_by_the_format_table() -> None:
     packed = packed_modules(model)
     names = [n for n in empty_model(config, device="meta").state_dict() if n.endswith(".weight")]
     assert {f"{n}.weight" for n in packed} == {
-        n for n in names if weight_format(n) is WeightFormat.FP8_BLOCK
+        n for n in names if WEIGHTS.format_of(n) is WeightFormat.FP8_BLOCK
     }
     for name, module in packed.items():
         shape = tuple(module.weight.shape)
-        assert module.resident_bytes == stored_nbytes(f"{name}.weight", shape)
+        assert module.resident_bytes == stored_nbytes(f"{name}.weight", shape, WEIGHTS)
 
 
 # ----------------------------------------------------------------- numerics

@@ -71,9 +71,9 @@ def test_make_tiny_then_inspect_the_directory(
     # make-tiny writes the release's formats: the memory plan's packed bytes (device
     # and host) are exactly the bytes of the tensors the text model serves.
     from engine.loader.files import iter_checkpoint_tensors
-    from engine.loader.formats import skipped_kind
+    from engine.model.deepseek_v41.weight_names import WEIGHTS
 
-    served = sum(t.nbytes for t in iter_checkpoint_tensors(out) if skipped_kind(t.name) is None)
+    served = sum(t.nbytes for t in iter_checkpoint_tensors(out) if WEIGHTS.skipped(t.name) is None)
     plan = _inspect_json(capsys, str(out), "--plan")
     assert plan["device_kinds"][0]["weights_bytes"] + plan["host_bytes"] == served
 

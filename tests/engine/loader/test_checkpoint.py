@@ -21,19 +21,13 @@ from tokenizers import Tokenizer
 from engine.loader.checkpoint import load_checkpoint
 from engine.loader.checkpoint_writer import encode_tensor, make_tiny, save_checkpoint
 from engine.loader.files import INDEX_FILE, SINGLE_FILE, iter_checkpoint_tensors, weight_map
-from engine.loader.formats import (
-    SCALE_SUFFIX,
-    CheckpointError,
-    WeightFormat,
-    dequantize,
-    scale_name,
-    stored_shapes,
-    weight_format,
-)
+from engine.loader.formats import CheckpointError, dequantize, stored_shapes
 from engine.loader.tokenizer import load_tokenizer
 from engine.model.deepseek_v41.config import ModelConfig
 from engine.model.deepseek_v41.engram import build_compressed_vocab
 from engine.model.deepseek_v41.model import DeepseekV41
+from engine.model.deepseek_v41.weight_names import WEIGHTS
+from engine.model.weights import SCALE_SUFFIX, WeightFormat, scale_name
 
 SEED = 3
 IDS = torch.tensor([0, 5, 17, 99, 1234, 2, 64000, 7, 7, 128803, 31, 8])
@@ -49,8 +43,8 @@ def _round_tripped(model: DeepseekV41) -> DeepseekV41:
     """The in-memory model after each tensor's encode -> dequantise, without files."""
     with torch.no_grad():
         for name, tensor in model.state_dict(keep_vars=True).items():
-            stored = encode_tensor(name, tensor)
-            fmt = weight_format(name)
+            stored = encode_tensor(name, tensor, WEIGHTS)
+            fmt = WEIGHTS.format_of(name)
             scale = stored.get(scale_name(name))
             plain = scale is None
             value = dequantize(None if plain else fmt, stored[name], scale, torch.float32)
@@ -99,7 +93,7 @@ def oracle(tiny_dir: Path, original: DeepseekV41) -> DeepseekV41:
 def test_every_tiny_tensor_has_a_format() -> None:
     with torch.device("meta"):
         names = DeepseekV41(ModelConfig.tiny()).state_dict().keys()
-    assert [n for n in names if weight_format(n) is None] == []
+    assert [n for n in names if WEIGHTS.format_of(n) is None] == []
 
 
 @pytest.mark.parametrize(
@@ -130,7 +124,7 @@ def test_every_tiny_tensor_has_a_format() -> None:
     ],
 )
 def test_weight_format_table(name: str, fmt: WeightFormat | None) -> None:
-    assert weight_format(name) is fmt
+    assert WEIGHTS.format_of(name) is fmt
 
 
 def test_stored_shapes_by_hand() -> None:
@@ -375,7 +369,9 @@ def test_encoder_only_load_reads_no_decoder_layer(
         assert torch.equal(value, full[name]), name
     decoder = sum(1 for n in full if _past(n, boundary))
     scales = sum(
-        1 for n in full if _past(n, boundary) and weight_format(n) and weight_format(n).quantised
+        1
+        for n in full
+        if _past(n, boundary) and WEIGHTS.format_of(n) and WEIGHTS.format_of(n).quantised
     )
     assert any(f"{decoder + scales} decoder-layer" in r.getMessage() for r in caplog.records)
     dropped = sum(p.numel() for layer in loaded.layers[boundary + 1 :] for p in layer.parameters())

@@ -19,9 +19,9 @@ import engine.loader.plan as plan_module
 from engine.loader.checkpoint import empty_model, load_checkpoint
 from engine.loader.checkpoint_writer import make_tiny, save_checkpoint
 from engine.loader.files import iter_checkpoint_tensors
-from engine.loader.formats import WeightFormat, scale_name
 from engine.model.deepseek_v41.config import ModelConfig
 from engine.model.deepseek_v41.routed_experts import RoutedExperts
+from engine.model.weights import WeightFormat, scale_name
 from kernels.weight_formats import dequantize_mxfp4_weight
 
 EXPERT = re.compile(r"layers\.\d+\.ffn\.experts\.\d+\.w[123]\.(weight|scale)")

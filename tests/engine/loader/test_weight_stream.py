@@ -22,8 +22,10 @@ import engine.loader.weight_stream as weight_stream
 from bench.load_bench import write_synthetic
 from engine.loader.checkpoint import load_checkpoint
 from engine.loader.files import INDEX_FILE
-from engine.loader.formats import dequantize, scale_name, weight_format
+from engine.loader.formats import dequantize
 from engine.model.deepseek_v41.config import ModelConfig
+from engine.model.deepseek_v41.weight_names import WEIGHTS
+from engine.model.weights import scale_name
 
 SHARD_BYTES = 3_000_000
 
@@ -67,7 +69,7 @@ def test_streamed_slices_equal_whole_tensor_dequantisation(
     for name, value in model.state_dict().items():
         if name not in stored:  # buffers (RoPE tables) are computed, not stored
             continue
-        fmt = weight_format(name)
+        fmt = WEIGHTS.format_of(name)
         scale = stored.get(scale_name(name)) if fmt and fmt.quantised else None
         expected = dequantize(
             fmt if scale is not None else None, stored[name], scale, torch.float32

@@ -1,0 +1,54 @@
+"""DeepSeek-V4.1's checkpoint name rules: which stored tensor is in which format,
+which the text server skips, which an export may leave out.
+
+The storage format of every model tensor is fixed by its name (the decision
+table in docs/design/checkpoints.md); the formats themselves, their shapes on
+disk and their dequantisation are model-agnostic (engine/loader/formats.py).
+The loader, the writer and the planners read these rules from the registry
+(``ModelSpec.weights``, engine/model/registry.py), never from here.
+"""
+
+from __future__ import annotations
+
+import re
+
+from engine.model.weights import WeightFormat, WeightRules
+
+_L = r"layers\.\d+\."
+# First full match wins. Sources: vLLM deepseek_v41 (quant_config=None marks BF16
+# projections; FP32 parameters are declared float32) and DeepSeek's checkpoints.
+_FORMATS: tuple[tuple[str, WeightFormat], ...] = (
+    (_L + r"ffn\.experts\.\d+\.w[123]\.weight", WeightFormat.MXFP4),
+    (_L + r"engram\.embed\.weight", WeightFormat.FP8_ROWS),
+    (_L + r"attn\.(wq_a|wq_b|wkv|wo_a|wo_b)\.weight", WeightFormat.FP8_BLOCK),
+    (_L + r"attn\.indexer\.wq_b\.weight", WeightFormat.FP8_BLOCK),
+    (_L + r"ffn\.shared_experts\.w[123]\.weight", WeightFormat.FP8_BLOCK),
+    (_L + r"engram\.wkv\.weight", WeightFormat.FP8_BLOCK),
+    (r"(.+\.)?\w*norm\.weight", WeightFormat.FP32),
+    (_L + r"hc_(attn|ffn)_(fn|base|scale)", WeightFormat.FP32),
+    (_L + r"attn\.attn_sink", WeightFormat.FP32),
+    (_L + r"ffn\.gate\.bias(_vl)?", WeightFormat.FP32),
+    (_L + r"attn\.compressor\.(wkv|wgate)\.weight", WeightFormat.BF16),
+    (_L + r"attn\.indexer\.(wk|weights_proj)\.weight", WeightFormat.BF16),
+    (_L + r"ffn\.gate\.weight", WeightFormat.BF16),
+    (_L + r"engram\.[\w.]+", WeightFormat.BF16),
+    (r"(embed|head)\.weight", WeightFormat.BF16),
+)
+
+# Tensors of the release the text server does not serve: skipped with one notice per kind.
+SKIPPED_KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("dspark", ("mtp.",)),
+    ("vision", ("vision.", "visual.", "aligner.", "image_")),
+)
+
+# Model tensors an export may leave out, with the value they then take. The
+# release stores ``ffn.gate.bias_vl`` (the router's selection bias for image
+# tokens) for every MoE layer; a text server never routes an image token, so an
+# export without it (older text-only checkpoints, the demo model) loads as zeros.
+_OPTIONAL = (r"layers\.\d+\.ffn\.gate\.bias_vl",)
+
+WEIGHTS = WeightRules(
+    formats=tuple((re.compile(pattern), fmt) for pattern, fmt in _FORMATS),
+    skipped_kinds=SKIPPED_KINDS,
+    optional_tensors=tuple(re.compile(p) for p in _OPTIONAL),
+)
