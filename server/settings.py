@@ -86,7 +86,7 @@ class ServerSettings:
     # How often a non-streamed request checks whether its client has gone.
     disconnect_poll_s: float = 0.5
     # both: the colocated server; prefill / decode: a worker of a split deployment
-    # (docs/design/disaggregation.md). A router has settings of its own (server/disagg/router.py).
+    # (docs/design/disaggregation.md). A router has settings of its own (server/disagg/settings.py).
     # The command's --role, which also names the router.
     role: Role = "both"
     # Prefill worker: how long a request waits for its pages to become durable on

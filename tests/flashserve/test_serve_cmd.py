@@ -36,6 +36,7 @@ def test_every_engine_config_field_has_a_flag() -> None:
         *("--tensor-parallel-size", "2", "--data-parallel-size", "4", "--enable-expert-parallel"),
         *("--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1"),
         *("--master-port", "29500", "--worker-timeout", "30", "--worker-threads", "4"),
+        *("--grammar-timeout", "1.5", "--grammar-cache-bytes", "1000", "--grammar-workers", "3"),
     )
     config = serve_cmd.engine_config(args)
     expected = {
@@ -66,6 +67,9 @@ def test_every_engine_config_field_has_a_flag() -> None:
         "master_port": 29500,
         "worker_timeout_s": 30.0,
         "worker_threads": 4,
+        "grammar_timeout_s": 1.5,
+        "grammar_cache_bytes": 1000,
+        "grammar_workers": 3,
     }
     # A new EngineConfig field without a flag fails here.
     assert {f.name for f in dataclasses.fields(EngineConfig)} == set(expected)
@@ -211,8 +215,12 @@ def test_role_flags_reach_the_settings() -> None:
         *("--role", "router", "--prefill-url", "http://p1", "--prefill-url", "http://p2"),
         *("--decode-url", "http://d", "--prefill-timeout", "3", "--decode-timeout", "9"),
     )
-    assert (router.prefill_url, router.decode_url) == (["http://p1", "http://p2"], ["http://d"])
-    assert (router.prefill_timeout, router.decode_timeout) == (3.0, 9.0)
+    settings = serve_cmd.router_settings(router)
+    assert (settings.prefill_urls, settings.decode_urls) == (
+        ("http://p1", "http://p2"),
+        ("http://d",),
+    )
+    assert (settings.prefill_timeout_s, settings.decode_timeout_s) == (3.0, 9.0)
 
 
 def _plan(path: Path, *argv: str) -> str | None:
