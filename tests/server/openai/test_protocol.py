@@ -218,6 +218,25 @@ def test_invalid_chat_requests(body: dict, status: int, param: str | None, words
     assert error.body()["error"]["type"] == "invalid_request_error"
 
 
+def test_past_tool_call_arguments_are_checked_at_their_field() -> None:
+    """The JSON a past call's ``arguments`` holds: a problem at its top is the field's,
+    one inside it keeps its path after the field's."""
+    field = "messages[1].tool_calls[0].function.arguments"
+
+    def error(arguments: str) -> APIError:
+        call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}
+        messages = [*USER, {"role": "assistant", "content": None, "tool_calls": [call]}]
+        return chat_error(messages=messages)
+
+    deep = error("[" * 5000)
+    assert (deep.status, deep.param) == (400, field)
+    assert deep.message == f"{field}: nested more than 64 levels deep"
+    surrogate = error('{"k": "\\ud800"}')
+    assert surrogate.param == field
+    assert surrogate.message.startswith(f"{field}: arguments.k: the text holds a lone UTF-16")
+    assert error(json.dumps('"\\ud800"')).message.startswith(f"{field}: the text holds")
+
+
 @pytest.mark.parametrize(
     "effort", ["none", "minimal", "low", "medium", "high", "xhigh", "max", 1, 100]
 )
