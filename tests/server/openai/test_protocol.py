@@ -11,7 +11,6 @@ from pydantic import ValidationError
 from server.http.errors import (
     APIError,
     authentication_failed,
-    from_validation_error,
     from_validation_errors,
     overloaded,
     request_too_large,
@@ -53,13 +52,13 @@ def chat_error(**body: Any) -> APIError:
     payload = {"model": "deepseek-flash", "messages": USER, **body}
     with pytest.raises(ValidationError) as info:
         ChatCompletionRequest.model_validate(payload)
-    return from_validation_error(info.value)
+    return from_validation_errors(info.value.errors())
 
 
 def completion_error(**body: Any) -> APIError:
     with pytest.raises(ValidationError) as info:
         CompletionRequest.model_validate({"model": "deepseek-flash", "prompt": "a", **body})
-    return from_validation_error(info.value)
+    return from_validation_errors(info.value.errors())
 
 
 def test_minimal_request_defaults_and_ignored_extras() -> None:
