@@ -6,9 +6,10 @@ serving it runs the real loader and the real tokenizer file. The cache
 directory is ``$FLASHSERVE_CACHE``, else ``$XDG_CACHE_HOME/flashserve``, else
 ``~/.cache/flashserve``; the checkpoint is ``tiny-seed{SEED}`` inside it.
 
-The flags are the fields of ``ServeOptions`` (below), ``ServerSettings`` and
-``EngineConfig``, generated from them (flashserve/config_args.py); only the flags
-that are no field one to one are tables here, beside the function that reads them.
+The flags are the fields of ``ServeOptions`` (below), ``RouterSettings``,
+``ServerSettings`` and ``EngineConfig``, generated from them
+(flashserve/config_args.py); only the flags that are no field one to one are
+tables here, beside the function that reads them.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
 
     from engine.api.core_client import EngineClient
     from engine.config import EngineConfig
-    from server.disagg.router import RouterSettings
+    from server.disagg.settings import RouterSettings
     from server.openai.pricing import PriceTable
     from server.settings import ServerSettings
 
@@ -141,52 +142,15 @@ _COST_FLAGS: dict[str, dict[str, Any]] = {
         "help": "JSON price table instead of the flags above (docs/metrics.md, 'Cost')",
     },
 }
-# router_settings: RouterSettings (server/disagg/router.py, which imports the web stack,
-# too heavy for --help); tests/flashserve/test_config_args.py holds these defaults to its.
-_ROUTER_FLAGS: dict[str, dict[str, Any]] = {
-    "--prefill-url": {
-        "action": "append",
-        "default": [],
-        "help": "router: a prefill worker (repeatable)",
-    },
-    "--decode-url": {
-        "action": "append",
-        "default": [],
-        "help": "router: a decode worker (repeatable)",
-    },
-    "--prefill-timeout": {
-        "type": float,
-        "default": 120.0,
-        "help": "router: seconds a prefill call may take before the decode worker prefills "
-        "instead (default %(default)s)",
-    },
-    "--decode-timeout": {
-        "type": float,
-        "default": 600.0,
-        "help": "router: seconds between two reads of a decode worker's answer (default "
-        "%(default)s)",
-    },
-    "--routing": {
-        "choices": ("affinity", "least-loaded"),
-        "default": "affinity",
-        "help": "router: affinity keeps a conversation on one worker of each pool (its device "
-        "tier holds the earlier turns) unless that worker is --affinity-slack requests busier "
-        "than the least busy; least-loaded ignores conversations (default %(default)s)",
-    },
-    "--affinity-slack": {
-        "type": int,
-        "default": 4,
-        "help": "router: see --routing (default %(default)s)",
-    },
-}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Every flag: the fields of ServeOptions, ServerSettings and EngineConfig, and the
-    compound ones above, in the groups of ``GROUPS``."""
+    """Every flag: the fields of ServeOptions, RouterSettings, ServerSettings and
+    EngineConfig, and the compound ones above, in the groups of ``GROUPS``."""
     from engine.config import EngineConfig
     from flashserve.config_args import add_flags, flags_of
     from flashserve.parallel_args import torchrun_defaults
+    from server.disagg.settings import RouterSettings
     from server.settings import ServerSettings
 
     groups: dict[str | None, Any] = {None: parser}
@@ -195,8 +159,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flags(groups, flags_of(ServeOptions))
     for option, kwargs in _COST_FLAGS.items():
         groups["cost"].add_argument(option, **kwargs)
-    for option, kwargs in _ROUTER_FLAGS.items():
-        groups["split"].add_argument(option, **kwargs)
+    add_flags(groups, flags_of(RouterSettings, group="split"))
     add_flags(groups, flags_of(ServerSettings, group="http"))
     add_flags(groups, flags_of(EngineConfig, group="engine", defaults=torchrun_defaults()))
 
@@ -244,16 +207,10 @@ def server_settings(
 
 def router_settings(args: argparse.Namespace) -> RouterSettings:
     """The ``RouterSettings`` of ``--role router``'s flags."""
-    from server.disagg.router import RouterSettings
+    from flashserve.config_args import from_args
+    from server.disagg.settings import RouterSettings
 
-    return RouterSettings(
-        prefill_urls=tuple(args.prefill_url),
-        decode_urls=tuple(args.decode_url),
-        prefill_timeout_s=args.prefill_timeout,
-        decode_timeout_s=args.decode_timeout,
-        routing=args.routing,
-        affinity_slack=args.affinity_slack,
-    )
+    return from_args(RouterSettings, args)
 
 
 def uvicorn_config(app: object, options: ServeOptions) -> uvicorn.Config:
@@ -503,9 +460,9 @@ def _role_problem(args: argparse.Namespace) -> str | None:
     """What makes the flags unusable for ``--role``, or None."""
     if args.role in ("prefill", "decode") and not args.kv_dir:
         return f"--role {args.role} needs --kv-dir: the SSD tier is how pages are handed over"
-    if args.role == "router" and not (args.prefill_url and args.decode_url):
+    if args.role == "router" and not (args.prefill_urls and args.decode_urls):
         return "--role router needs at least one --prefill-url and one --decode-url"
-    if args.role != "router" and (args.prefill_url or args.decode_url):
+    if args.role != "router" and (args.prefill_urls or args.decode_urls):
         return "--prefill-url and --decode-url are flags of --role router"
     return None
 

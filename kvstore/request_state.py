@@ -66,10 +66,6 @@ class RequestStateLayout:
     def compressor_bytes(self) -> int:
         return self.compressor_sources * self.compressor_rows * self.compressor_row_width * 4
 
-    @property
-    def bytes_per_request(self) -> int:
-        return self.swa_bytes + self.compressor_bytes
-
 
 class RequestStatePool:
     """Slabs of SWA rings and compressor rows for up to ``max_requests`` requests."""
@@ -101,10 +97,6 @@ class RequestStatePool:
     def nbytes(self) -> int:
         return self.swa.numel() + self.compressor.numel() * self.compressor.element_size()
 
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
     def allocate(self, request_id: Hashable) -> int:
         """A zeroed slot for a new request (zeroed: a request never sees another's state)."""
         assert request_id not in self._slots, f"request {request_id!r} already has state"
@@ -121,9 +113,6 @@ class RequestStatePool:
 
     def slot(self, request_id: Hashable) -> int:
         return self._slots[request_id]
-
-    def ring_index(self, position: int) -> int:
-        return position % self.layout.sliding_window
 
     def swa_window(self, layer_idx: int, request_id: Hashable) -> torch.Tensor:
         """``uint8[sliding_window, swa_record_bytes]`` ring of one layer (a view)."""

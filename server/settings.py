@@ -13,7 +13,6 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from server.openai.model_names import DEFAULT_SERVED_MODEL_NAME
 from server.openai.pricing import PriceTable
 
 if TYPE_CHECKING:
@@ -22,6 +21,10 @@ if TYPE_CHECKING:
     from server.metrics.disagg_metrics import Role
 
 API_KEYS_ENV = "FLASHSERVE_API_KEYS"
+# The name the API serves the model under unless --served-model-name says otherwise
+# (server/openai/model_names.py routes DeepSeek's names to it). Here rather than there:
+# that module brings the API errors (pydantic), which ``flashserve --help`` need not load.
+DEFAULT_SERVED_MODEL_NAME = "deepseek-flash"
 
 
 @dataclass(slots=True)
@@ -86,7 +89,7 @@ class ServerSettings:
     # How often a non-streamed request checks whether its client has gone.
     disconnect_poll_s: float = 0.5
     # both: the colocated server; prefill / decode: a worker of a split deployment
-    # (docs/design/disaggregation.md). A router has settings of its own (server/disagg/router.py).
+    # (docs/design/disaggregation.md). A router has settings of its own (server/disagg/settings.py).
     # The command's --role, which also names the router.
     role: Role = "both"
     # Prefill worker: how long a request waits for its pages to become durable on

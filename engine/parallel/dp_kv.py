@@ -192,9 +192,6 @@ class DataParallelKV:
             setattr(total, f.name, sum(getattr(p, f.name) for p in parts))
         return total
 
-    def rank_stats(self) -> list[KVStats]:
-        return [m.stats() for m in self.ranks]
-
     # ------------------------------------------------------------ page traffic
     def take_traffic(self, dp: int) -> tuple[Restored, Unwritten]:
         """DP rank ``dp``'s SSD-tier traffic since the last step: pages restored into it,

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -37,7 +36,6 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 import xgrammar as xgr
 from tokenizers import Tokenizer
@@ -186,19 +184,6 @@ class XGrammarMatcher:
     def accept_text(self, text: str) -> bool:
         """Advance past text already in the prompt (a chat prefix); False if it does not fit."""
         return bool(self._matcher.accept_string(text))
-
-
-def bitmask_to_bool(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Expand an int32 token bitmask into bool ``[vocab_size]``.
-
-    Bytes are unpacked least significant bit first, so on a little-endian host
-    bit ``j`` of word ``i`` lands at ``32 i + j`` (numpy: single-threaded and
-    ~100x faster than torch's shift under CPU contention).
-    """
-    assert sys.byteorder == "little"
-    words = bitmask.to(torch.int32).contiguous().numpy()
-    bits = np.unpackbits(words.view(np.uint8), bitorder="little")[:vocab_size]
-    return torch.from_numpy(bits.astype(bool))
 
 
 @dataclass(slots=True)

@@ -38,11 +38,3 @@ class ReasoningParser:
         """Flush at the end of generation: a held partial tag was reasoning after all."""
         held, self._held = self._held, ""
         return held, ""
-
-
-def split_reasoning(text: str, *, starts_in_reasoning: bool = True) -> tuple[str, str]:
-    """``(reasoning, content)`` of a whole generated text."""
-    if not starts_in_reasoning:
-        return "", text
-    reasoning, sep, content = text.partition(THINK_END)
-    return reasoning, content if sep else ""

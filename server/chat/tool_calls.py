@@ -13,8 +13,8 @@ V4.1 writes calls after its answer text as (``｜DSML｜`` is token 128825)::
 
 String arguments are raw text (``string="true"``); every other value is JSON.
 ``ToolCallParser`` turns streamed text into content deltas and OpenAI tool-call
-deltas; ``parse_tool_calls`` runs the same parser over a whole text, so streamed
-and non-streamed responses agree byte for byte.
+deltas; a non-streamed response joins the same deltas (server/chat/chat_output.py),
+so streamed and non-streamed responses agree byte for byte.
 """
 
 from __future__ import annotations
@@ -141,16 +141,6 @@ class ToolCallDelta:
     id: str | None = None
     name: str | None = None
     arguments: str = ""
-
-    def to_openai(self) -> dict[str, Any]:
-        if self.id is not None:
-            return {
-                "index": self.index,
-                "id": self.id,
-                "type": "function",
-                "function": {"name": self.name, "arguments": self.arguments},
-            }
-        return {"index": self.index, "function": {"arguments": self.arguments}}
 
 
 @dataclass(slots=True)
@@ -367,16 +357,3 @@ class ToolCallParser:
             last.arguments += fragment
         else:
             out.tool_calls.append(ToolCallDelta(index, arguments=fragment))
-
-
-@dataclass(slots=True)
-class ParsedOutput:
-    content: str
-    tool_calls: list[ParsedToolCall]
-
-
-def parse_tool_calls(text: str, id_factory: Callable[[], str] = new_call_id) -> ParsedOutput:
-    """Content and tool calls of a whole generated text."""
-    parser = ToolCallParser(id_factory)
-    content = parser.feed(text).content + parser.finish().content
-    return ParsedOutput(content, parser.tool_calls)

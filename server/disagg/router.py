@@ -40,7 +40,8 @@ from pydantic import ValidationError
 
 from server.disagg.handover import ARRIVAL_HEADER, HANDOVER_HEADER, PREFILL_ROUTES, Handover
 from server.disagg.prefill_worker import PrefillResponse
-from server.disagg.worker_pool import ROUTINGS, Routing, WorkerPool, session_key
+from server.disagg.settings import RouterSettings
+from server.disagg.worker_pool import WorkerPool, session_key
 from server.http.auth import api_key_dependency
 from server.http.body_limit import BodySizeLimit
 from server.http.error_handlers import install_error_handlers
@@ -55,35 +56,6 @@ logger = logging.getLogger(__name__)
 # Response headers worth passing on from a decode worker (not hop-by-hop ones,
 # and not content-length: the router re-streams the body).
 _PASSED_HEADERS = ("content-type", "cache-control", "x-accel-buffering", "retry-after")
-
-
-@dataclass(frozen=True, slots=True)
-class RouterSettings:
-    """Where the pools are and how long the router waits for each."""
-
-    prefill_urls: tuple[str, ...]
-    decode_urls: tuple[str, ...]
-    # The whole prefill call: compute plus the SSD writes becoming durable.
-    prefill_timeout_s: float = 120.0
-    # Between two reads of a decode worker's response (SSE keep-alives arrive
-    # every few seconds; a non-streamed answer arrives whole at the end).
-    decode_timeout_s: float = 600.0
-    connect_timeout_s: float = 5.0
-    # How a worker is chosen (server/disagg/worker_pool.py): a conversation's own worker,
-    # unless it has ``affinity_slack`` more requests in flight than the least busy.
-    routing: Routing = "affinity"
-    affinity_slack: int = 4
-
-    def __post_init__(self) -> None:
-        if not self.prefill_urls or not self.decode_urls:
-            raise ValueError("a router needs at least one prefill URL and one decode URL")
-        for name in ("prefill_timeout_s", "decode_timeout_s", "connect_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"RouterSettings.{name} must be > 0")
-        if self.routing not in ROUTINGS:
-            raise ValueError(f"RouterSettings.routing must be one of {ROUTINGS}")
-        if self.affinity_slack < 0:
-            raise ValueError("RouterSettings.affinity_slack must be >= 0")
 
 
 @dataclass(slots=True)

@@ -19,10 +19,10 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-from typing import Any, Literal
+from typing import Any
 
-Routing = Literal["affinity", "least-loaded"]
-ROUTINGS: tuple[Routing, ...] = ("affinity", "least-loaded")
+from server.disagg.settings import Routing
+
 # Characters of a completion prompt that name its conversation.
 PROMPT_HEAD_CHARS = 2048
 

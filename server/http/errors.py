@@ -21,8 +21,6 @@ import logging
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from pydantic import ValidationError
-
 from engine.api.errors import EngineDeadError, GrammarError, RequestError
 
 logger = logging.getLogger(__name__)
@@ -213,7 +211,3 @@ def from_validation_errors(errors: Sequence[Mapping[str, Any]]) -> APIError:
         text = f"{param}: {message}" if param else message
     status = 422 if kind in _RANGE_ERROR_TYPES else 400
     return APIError(status, text, param=param)
-
-
-def from_validation_error(exc: ValidationError) -> APIError:
-    return from_validation_errors(exc.errors(include_url=False))

@@ -20,14 +20,30 @@ from server.http.errors import APIError
 MAX_JSON_DEPTH = 64
 
 
+class InputProblem(ValueError):
+    """One value of a body that fails a check: ``where`` is its path (``""``: the body
+    itself), ``problem`` what is wrong, without the path."""
+
+    def __init__(self, where: str, problem: str) -> None:
+        super().__init__(f"{where or 'body'}: {problem}")
+        self.where = where
+        self.problem = problem
+
+
 def check_body(data: Any) -> None:
     """Raise a 400 ``APIError`` for unencodable text or nesting past ``MAX_JSON_DEPTH``."""
-    _walk(data, "", 0)
+    try:
+        _walk(data, "", 0)
+    except InputProblem as exc:
+        raise APIError(400, str(exc), param=exc.where or None) from None
 
 
 def check_arguments_text(arguments: str, where: str) -> None:
     """A past tool call's ``arguments`` string: the JSON it holds (decoded up to twice,
-    as the prompt renderer does) must not nest past ``MAX_JSON_DEPTH`` either."""
+    as the prompt renderer does) must not nest past ``MAX_JSON_DEPTH`` either.
+
+    Raises ``InputProblem``: the caller, a field validator, places it at its field.
+    """
     value: Any = arguments
     for _ in range(2):
         if not isinstance(value, str):
@@ -44,11 +60,9 @@ def check_arguments_text(arguments: str, where: str) -> None:
 def _walk(value: Any, where: str, depth: int) -> None:
     if isinstance(value, str):
         if not _encodable(value):
-            raise APIError(
-                400,
-                f"{where or 'body'}: the text holds a lone UTF-16 surrogate (e.g. \\ud800), "
-                "which is not valid Unicode",
-                param=where or None,
+            raise InputProblem(
+                where,
+                "the text holds a lone UTF-16 surrogate (e.g. \\ud800), which is not valid Unicode",
             )
         return
     if isinstance(value, dict | list) and depth >= MAX_JSON_DEPTH:
@@ -56,11 +70,10 @@ def _walk(value: Any, where: str, depth: int) -> None:
     if isinstance(value, dict):
         for key, item in value.items():
             if isinstance(key, str) and not _encodable(key):
-                raise APIError(
-                    400,
-                    f"{where or 'body'}: a key holds a lone UTF-16 surrogate (e.g. \\ud800), "
-                    "which is not valid Unicode",
-                    param=where or None,
+                raise InputProblem(
+                    where,
+                    "a key holds a lone UTF-16 surrogate (e.g. \\ud800), which is not valid "
+                    "Unicode",
                 )
             _walk(item, f"{where}.{key}" if where else str(key), depth + 1)
     elif isinstance(value, list):
@@ -68,10 +81,8 @@ def _walk(value: Any, where: str, depth: int) -> None:
             _walk(item, f"{where}[{i}]", depth + 1)
 
 
-def _too_deep(where: str) -> APIError:
-    return APIError(
-        400, f"{where or 'body'}: nested more than {MAX_JSON_DEPTH} levels deep", param=where
-    )
+def _too_deep(where: str) -> InputProblem:
+    return InputProblem(where, f"nested more than {MAX_JSON_DEPTH} levels deep")
 
 
 def _encodable(text: str) -> bool:

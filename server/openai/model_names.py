@@ -12,8 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from server.http.errors import APIError
-
-DEFAULT_SERVED_MODEL_NAME = "deepseek-flash"
+from server.settings import DEFAULT_SERVED_MODEL_NAME
 
 # DeepSeek's output budget when a request names no max_tokens (Models & Pricing,
 # "MAX OUTPUT": deepseek-chat, non-thinking, "DEFAULT: 4K"; deepseek-reasoner,

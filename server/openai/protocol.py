@@ -28,7 +28,7 @@ from pydantic_core import PydanticCustomError
 
 from engine.api.sampling_params import MAX_TOP_LOGPROBS
 from server.http.errors import APIError
-from server.http.input_checks import check_arguments_text, check_body
+from server.http.input_checks import InputProblem, check_arguments_text, check_body
 
 MAX_TOOLS = 128
 MAX_STOP = 16
@@ -116,8 +116,10 @@ class FunctionCall(_Request):
         if isinstance(value, str):
             try:
                 check_arguments_text(value, "arguments")
-            except APIError as exc:
-                raise _format_error(exc.message.removeprefix("arguments: ")) from None
+            except InputProblem as exc:
+                # The error's location names this field; a value inside it keeps its path.
+                message = exc.problem if exc.where == "arguments" else str(exc)
+                raise _format_error(message) from None
         return value
 
 

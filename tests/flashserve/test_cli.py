@@ -1,4 +1,4 @@
-"""The ``flashserve`` console script: ``inspect`` and ``make-tiny``."""
+"""The ``flashserve`` console script: ``inspect``, ``make-tiny`` and a light ``--help``."""
 
 from __future__ import annotations
 
@@ -191,3 +191,19 @@ def test_inspect_plan_compare_prints_dp_and_tp_side_by_side(
     (total,) = [line for line in lines if line.strip().startswith("global-KV tokens, all nodes")]
     assert total.split()[-2:] == [f"{p['kv_pool_tokens_total']:,}" for p in (dp, tp)]
     assert any(line.split()[:2] == ["16", "2"] and "29,700" in line for line in lines)
+
+
+def test_building_the_parser_imports_no_heavy_library() -> None:
+    """``flashserve --help`` reads the flags off the config dataclasses; their modules
+    must not bring the web stack, pydantic or torch (each adds tens of milliseconds)."""
+    heavy = ("torch", "numpy", "pydantic", "fastapi", "httpx", "uvicorn", "prometheus_client")
+    code = (
+        "import sys\n"
+        "from flashserve.cli import build_parser\n"
+        "build_parser().format_help()\n"
+        f"print(' '.join(m for m in {heavy!r} if m in sys.modules))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
+    assert out.split() == []

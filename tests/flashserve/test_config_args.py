@@ -18,6 +18,7 @@ from engine.config import EngineConfig
 from flashserve import serve_cmd
 from flashserve.cli import build_parser
 from flashserve.config_args import add_flags, flags_of, from_args
+from server.disagg.settings import RouterSettings
 from server.settings import ServerSettings
 
 # Fields without a flag of their own, and what sets them instead.
@@ -30,6 +31,7 @@ INTERNAL = {
     },
     EngineConfig: {},
     serve_cmd.ServeOptions: {},
+    RouterSettings: {"connect_timeout_s": "fixed"},
 }
 
 # Every option of ``flashserve serve --help`` before the flags were generated.
@@ -108,6 +110,17 @@ SERVER_DEFAULTS = {
     "vllm_metric_aliases": False,
 }
 
+# With the two URLs a router cannot go without.
+ROUTER_DEFAULTS = {
+    "prefill_urls": ("http://p",),
+    "decode_urls": ("http://d",),
+    "prefill_timeout_s": 120.0,
+    "decode_timeout_s": 600.0,
+    "connect_timeout_s": 5.0,
+    "routing": "affinity",
+    "affinity_slack": 4,
+}
+
 SERVE_DEFAULTS = {
     "role": "both",
     "model": "tiny",
@@ -183,6 +196,8 @@ def test_defaults_are_those_of_before() -> None:
     assert _settings() == SERVER_DEFAULTS
     assert dataclasses.asdict(serve_cmd.serve_options(_args())) == SERVE_DEFAULTS
     assert serve_cmd.in_process_engine(_args(), env={}) is False
+    router = _args("--role", "router", "--prefill-url", "http://p", "--decode-url", "http://d")
+    assert dataclasses.asdict(serve_cmd.router_settings(router)) == ROUTER_DEFAULTS
 
 
 def test_engine_flags() -> None:
@@ -334,23 +349,14 @@ def test_roles() -> None:
     assert serve_cmd.serve_options(router).role == "router"
     assert serve_cmd.server_settings(router, "fp", env={}).role == "both"
     assert dataclasses.asdict(serve_cmd.router_settings(router)) == {
+        **ROUTER_DEFAULTS,
         "prefill_urls": ("http://p1", "http://p2"),
         "decode_urls": ("http://d",),
         "prefill_timeout_s": 3.0,
         "decode_timeout_s": 9.0,
-        "connect_timeout_s": 5.0,
         "routing": "least-loaded",
         "affinity_slack": 2,
     }
-
-
-def test_router_flag_defaults_are_router_settings_defaults() -> None:
-    """The router's flags are a table (RouterSettings' module is too heavy to import for
-    --help); their defaults must be the dataclass's."""
-    from server.disagg.router import RouterSettings
-
-    args = _args("--role", "router", "--prefill-url", "http://p", "--decode-url", "http://d")
-    assert serve_cmd.router_settings(args) == RouterSettings(("http://p",), ("http://d",))
 
 
 def test_cost_flags_compose_one_price_table() -> None:

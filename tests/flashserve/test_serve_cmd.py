@@ -215,8 +215,12 @@ def test_role_flags_reach_the_settings() -> None:
         *("--role", "router", "--prefill-url", "http://p1", "--prefill-url", "http://p2"),
         *("--decode-url", "http://d", "--prefill-timeout", "3", "--decode-timeout", "9"),
     )
-    assert (router.prefill_url, router.decode_url) == (["http://p1", "http://p2"], ["http://d"])
-    assert (router.prefill_timeout, router.decode_timeout) == (3.0, 9.0)
+    settings = serve_cmd.router_settings(router)
+    assert (settings.prefill_urls, settings.decode_urls) == (
+        ("http://p1", "http://p2"),
+        ("http://d",),
+    )
+    assert (settings.prefill_timeout_s, settings.decode_timeout_s) == (3.0, 9.0)
 
 
 def _plan(path: Path, *argv: str) -> str | None:

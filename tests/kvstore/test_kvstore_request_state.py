@@ -23,7 +23,7 @@ def test_official_sizes() -> None:
     assert (layout.compressor_sources, layout.compressor_rows) == (3, 1)
     assert layout.compressor_bytes == 3 * 1024 * 4
     pool = RequestStatePool(layout, max_requests=2)
-    assert pool.nbytes == 2 * layout.bytes_per_request
+    assert pool.nbytes == 2 * (layout.swa_bytes + layout.compressor_bytes)
 
 
 def _pool(n: int = 3) -> RequestStatePool:
@@ -37,11 +37,11 @@ def test_requests_are_isolated_and_slots_reused_zeroed() -> None:
     pool = _pool()
     pool.allocate("a")
     pool.allocate("b")
-    pool.swa_window(1, "a")[pool.ring_index(6)] = 7
+    pool.swa_window(1, "a")[2] = 7
     pool.compressor_state(0, "a").fill_(1.5)
     assert pool.swa_window(1, "b").count_nonzero() == 0
     assert pool.compressor_state(0, "b").count_nonzero() == 0
-    # Position 6 with a 4-entry window lands in ring slot 2 and only there.
+    # The write lands in ring entry 2 of a's window and only there.
     assert pool.swa_window(1, "a")[:, 0].tolist() == [0, 0, 7, 0]
     slot = pool.slot("a")
     pool.free("a")
@@ -66,4 +66,6 @@ def test_out_of_slots() -> None:
     with pytest.raises(OutOfRequestSlots):
         pool.allocate("b")
     pool.free("a")
-    assert pool.allocate("b") == 0 and pool.num_free == 0
+    assert pool.allocate("b") == 0
+    with pytest.raises(OutOfRequestSlots):
+        pool.allocate("c")

@@ -8,9 +8,10 @@ import random
 
 import jsonschema
 import pytest
+from chat_helpers import parse_tool_calls
 
 from server.chat.chat_encoding import EOS, encode_chat
-from server.chat.tool_calls import THINK_END, parse_tool_calls
+from server.chat.tool_calls import THINK_END
 from server.openai.protocol import ChatCompletionRequest
 from training.bpe import EOS_ID, train_bpe
 from training.corpus import Play

@@ -5,9 +5,10 @@ from __future__ import annotations
 import random
 
 import pytest
+from chat_helpers import split_reasoning
 
 from engine.loader.tokenizer import load_tokenizer
-from server.chat.reasoning import ReasoningParser, split_reasoning
+from server.chat.reasoning import ReasoningParser
 
 
 def stream(pieces: list[str], *, starts_in_reasoning: bool = True) -> list[tuple[str, str]]:
@@ -23,11 +24,15 @@ def joined(deltas: list[tuple[str, str]]) -> tuple[str, str]:
 
 def test_whole_text() -> None:
     text = "The user greets me.</think>Hello!"
-    assert split_reasoning(text) == ("The user greets me.", "Hello!")
-    assert split_reasoning("no end yet") == ("no end yet", "")
-    assert split_reasoning("Hi </think> x", starts_in_reasoning=False) == ("", "Hi </think> x")
+    assert joined(stream([text])) == ("The user greets me.", "Hello!")
+    assert joined(stream(["no end yet"])) == ("no end yet", "")
+    off = stream(["Hi </think> x"], starts_in_reasoning=False)
+    assert joined(off) == ("", "Hi </think> x")
     # Only the first </think> ends reasoning; a later one is answer text.
+    assert joined(stream(["a</think>b</think>c"])) == ("a", "b</think>c")
+    # The oracle of the split tests below agrees on these.
     assert split_reasoning("a</think>b</think>c") == ("a", "b</think>c")
+    assert split_reasoning("no end yet") == ("no end yet", "")
 
 
 def test_stream_with_tag_as_one_delta() -> None:

@@ -19,7 +19,12 @@ from engine.structured_output.xgrammar_backend import (
 )
 from server.chat.schema_check import schema_problem
 from server.http.errors import APIError
-from server.http.input_checks import MAX_JSON_DEPTH, check_arguments_text, check_body
+from server.http.input_checks import (
+    MAX_JSON_DEPTH,
+    InputProblem,
+    check_arguments_text,
+    check_body,
+)
 
 VOCAB = 129280
 
@@ -103,9 +108,18 @@ def test_raw_body_checks_name_the_field() -> None:
     with pytest.raises(APIError, match="nested more than"):
         check_body({"x": deep})
     check_body({"x": json.loads("[" * 60 + "]" * 60)})  # within the bound
-    for text in ("[" * 5000, json.dumps("[" * 70 + "]" * 70)):
-        with pytest.raises(APIError, match="nested more than"):
-            check_arguments_text(text, "arguments")
+    with pytest.raises(InputProblem) as problem:
+        check_arguments_text("[" * 5000, "arguments")
+    assert (problem.value.where, problem.value.problem) == (
+        "arguments",
+        f"nested more than {MAX_JSON_DEPTH} levels deep",
+    )
+    with pytest.raises(InputProblem) as problem:
+        check_arguments_text(json.dumps("[" * 70 + "]" * 70), "arguments")
+    assert problem.value.where == "arguments" + "[0]" * MAX_JSON_DEPTH
+    assert str(problem.value) == f"{problem.value.where}: {problem.value.problem}"
+    with pytest.raises(InputProblem, match=r"^arguments\.k: the text holds a lone"):
+        check_arguments_text('{"k": "\\ud800"}', "arguments")
     check_arguments_text('{"a": [1, 2]}', "arguments")
     check_arguments_text("not json", "arguments")
 

@@ -19,18 +19,14 @@ import jsonschema
 import numpy as np
 import pytest
 import torch
+from chat_helpers import bitmask_to_bool, parse_tool_calls, split_reasoning
 
 from engine.api.errors import GrammarError
 from engine.loader.tokenizer import load_tokenizer
 from engine.sample.sampler import allowed_token_mask
-from engine.structured_output.xgrammar_backend import (
-    StructuredOutputManager,
-    XGrammarMatcher,
-    bitmask_to_bool,
-)
-from server.chat.reasoning import split_reasoning
+from engine.structured_output.xgrammar_backend import StructuredOutputManager, XGrammarMatcher
 from server.chat.structured_output import structured_output_spec
-from server.chat.tool_calls import parse_tool_calls, render_tool_calls
+from server.chat.tool_calls import render_tool_calls
 from server.http.errors import APIError, from_engine_error
 from server.openai.protocol import ChatCompletionRequest
 from server.settings import ServerSettings

@@ -8,14 +8,15 @@ import random
 import re
 
 import pytest
+from chat_helpers import parse_tool_calls
 
 from engine.loader.tokenizer import load_tokenizer
 from server.chat.tool_calls import (
     ParseDelta,
+    ToolCallDelta,
     ToolCallParser,
     arguments_dict,
     new_call_id,
-    parse_tool_calls,
     render_tool_calls,
 )
 
@@ -99,15 +100,11 @@ def test_whole_text_against_hand_written_values() -> None:
 
 def test_first_delta_carries_the_header_then_fragments() -> None:
     deltas, _ = run_stream([OUTPUT])
+    # Their OpenAI JSON: tests/server/chat/test_chat_output.py.
     first = deltas[0].tool_calls[0]
-    assert first.to_openai() == {
-        "index": 0,
-        "id": "call_0",
-        "type": "function",
-        "function": {"name": "get_weather", "arguments": ""},
-    }
+    assert first == ToolCallDelta(0, "call_0", "get_weather", "")
     second = deltas[0].tool_calls[1]
-    assert second.to_openai() == {"index": 0, "function": {"arguments": EXPECTED_ARGS[0]}}
+    assert second == ToolCallDelta(0, arguments=EXPECTED_ARGS[0])
 
 
 @pytest.mark.parametrize("mode", ["chars", "random", "tokens"])

@@ -18,7 +18,8 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from server.disagg.handover import ARRIVAL_HEADER, HANDOVER_HEADER, Handover
-from server.disagg.router import RouterSettings, create_router_app
+from server.disagg.router import create_router_app
+from server.disagg.settings import RouterSettings
 from server.settings import ServerSettings
 
 PREFILL = "http://prefill.test"

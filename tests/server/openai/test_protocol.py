@@ -11,7 +11,6 @@ from pydantic import ValidationError
 from server.http.errors import (
     APIError,
     authentication_failed,
-    from_validation_error,
     from_validation_errors,
     overloaded,
     request_too_large,
@@ -53,13 +52,13 @@ def chat_error(**body: Any) -> APIError:
     payload = {"model": "deepseek-flash", "messages": USER, **body}
     with pytest.raises(ValidationError) as info:
         ChatCompletionRequest.model_validate(payload)
-    return from_validation_error(info.value)
+    return from_validation_errors(info.value.errors())
 
 
 def completion_error(**body: Any) -> APIError:
     with pytest.raises(ValidationError) as info:
         CompletionRequest.model_validate({"model": "deepseek-flash", "prompt": "a", **body})
-    return from_validation_error(info.value)
+    return from_validation_errors(info.value.errors())
 
 
 def test_minimal_request_defaults_and_ignored_extras() -> None:
@@ -216,6 +215,25 @@ def test_invalid_chat_requests(body: dict, status: int, param: str | None, words
     if param:
         assert error.message.startswith(param + ":")
     assert error.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_past_tool_call_arguments_are_checked_at_their_field() -> None:
+    """The JSON a past call's ``arguments`` holds: a problem at its top is the field's,
+    one inside it keeps its path after the field's."""
+    field = "messages[1].tool_calls[0].function.arguments"
+
+    def error(arguments: str) -> APIError:
+        call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}
+        messages = [*USER, {"role": "assistant", "content": None, "tool_calls": [call]}]
+        return chat_error(messages=messages)
+
+    deep = error("[" * 5000)
+    assert (deep.status, deep.param) == (400, field)
+    assert deep.message == f"{field}: nested more than 64 levels deep"
+    surrogate = error('{"k": "\\ud800"}')
+    assert surrogate.param == field
+    assert surrogate.message.startswith(f"{field}: arguments.k: the text holds a lone UTF-16")
+    assert error(json.dumps('"\\ud800"')).message.startswith(f"{field}: the text holds")
 
 
 @pytest.mark.parametrize(
