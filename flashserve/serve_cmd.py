@@ -235,19 +235,19 @@ def price_table(args: argparse.Namespace) -> PriceTable | None:
     from server.openai.pricing import PriceTable
 
     if args.price_file and args.prices:
-        raise SystemExit("flashserve serve: give --prices or --price-file, not both")
+        raise ValueError("give --prices or --price-file, not both")
     try:
         if args.price_file:
             return PriceTable.from_file(args.price_file)
-        if args.prices:
-            return PriceTable.from_flags(
-                args.prices,
-                off_peak_window=args.off_peak_window,
-                off_peak_discount=args.off_peak_discount,
-                currency=args.currency,
-            )
-    except (OSError, ValueError) as exc:
-        raise SystemExit(f"flashserve serve: {exc}") from None
+    except OSError as exc:
+        raise ValueError(f"--price-file: {exc}") from None
+    if args.prices:
+        return PriceTable.from_flags(
+            args.prices,
+            off_peak_window=args.off_peak_window,
+            off_peak_discount=args.off_peak_discount,
+            currency=args.currency,
+        )
     return None
 
 
@@ -320,6 +320,12 @@ def run(args: argparse.Namespace) -> int:
     refusal = check_memory_plan(config, path, options.device_memory_gib)
     if refusal:
         return _refuse(refusal)
+    from engine.loader.builder import checkpoint_fingerprint
+
+    try:  # every server setting (prices included) is checked before anything loads
+        settings = server_settings(args, "fp_" + checkpoint_fingerprint(path)[:10])
+    except ValueError as exc:
+        return _refuse(str(exc))
     in_process = in_process_engine(args)
     try:
         engine = _start_engine(config, path, options.role, in_process, started)
@@ -328,12 +334,9 @@ def run(args: argparse.Namespace) -> int:
             raise
         print(f"flashserve serve: {exc}", file=sys.stderr)  # the core process did not start
         return 1
-    from engine.loader.builder import checkpoint_fingerprint
     from server.app import create_app
 
-    fingerprint = "fp_" + checkpoint_fingerprint(path)[:10]
     try:
-        settings = server_settings(args, fingerprint)
         _serve_until_stopped(lambda: create_app(engine, settings), options, args.served_model_name)
     finally:
         _say("shutting down the engine")
@@ -471,11 +474,14 @@ def _run_router(args: argparse.Namespace, options: ServeOptions) -> int:
     """The front end of a split deployment: no model, no engine."""
     from server.disagg.router import create_router_app
 
-    router = router_settings(args)
+    try:
+        router = router_settings(args)
+        settings = server_settings(args, "fp_router")
+    except ValueError as exc:
+        return _refuse(str(exc))
     _say(
         f"routing: prefill {', '.join(router.prefill_urls)}; decode {', '.join(router.decode_urls)}"
     )
-    settings = server_settings(args, "fp_router")
     _serve_until_stopped(
         lambda: create_router_app(settings, router), options, settings.served_model_name
     )

@@ -149,7 +149,7 @@ def test_price_and_metric_flags(tmp_path: Path) -> None:
     from_file = serve_cmd.server_settings(_args("--price-file", str(table)), "fp", env={})
     assert from_file.prices is not None and from_file.prices.standard == Rates(1, 2, 3)
     for bad in (("--prices", "1,2"), ("--prices", "1,2,3", "--price-file", str(table))):
-        with pytest.raises(SystemExit):
+        with pytest.raises(ValueError):
             serve_cmd.server_settings(_args(*bad), "fp", env={})
 
 
@@ -257,6 +257,33 @@ def test_serve_refuses_weights_that_do_not_fit_before_loading(
     )
     assert "memory plan: 1 device(s) x 141.0 GiB" in captured.out
     assert "routed experts, MXFP4 E2M1" in captured.out
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (("--prices", "5,1,3"), "cache_hit_input must not exceed cache_miss_input"),
+        (("--prices", "1,1,1e400"), "prices: output must be from 0 to 1e+09"),
+        (("--prices", "1,2,3", "--off-peak-window", "25:00-01:00"), "off-peak window"),
+        (
+            ("--max-concurrent-sequences", "4", "--max-sequences-per-request", "8"),
+            "max_concurrent_sequences must be >= max_sequences_per_request",
+        ),
+    ],
+)
+def test_serve_refuses_bad_server_settings_before_loading(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: tuple[str, ...], says: str
+) -> None:
+    """One line and exit 2 from config.json alone (the directory has no weights, so
+    reaching the loader would fail differently); these used to pass start-up, load
+    the model, and then fail every request or die with a traceback."""
+    from engine.model.deepseek_v41.config import ModelConfig
+
+    path = _config_dir(tmp_path, ModelConfig.tiny())
+    assert main(["serve", "--model", str(path), "--device-memory-gib", "4", *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("flashserve serve: ") and says in err
+    assert len(err.splitlines()) == 1
 
 
 def test_serve_prints_the_plan_of_a_model_that_fits(
