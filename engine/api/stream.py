@@ -48,17 +48,17 @@ class Stream:
         """Queue ``item`` from any thread."""
         post(self.loop, [(self, item)])
 
-    async def next_output(self, own_faults: tuple[type[BaseException], ...]) -> RequestOutput:
+    async def next_output(self) -> RequestOutput:
         """The next output. An exception put on the stream is raised; an output's error is
-        raised as it is if it is the request's own fault (one of ``own_faults``: its
-        message is for the client), else as ``RequestFailedError`` (a server bug, whose
-        text is for the log)."""
+        raised as it is if it is the request's own fault (a ``RequestError``: its message
+        is for the client), else as ``RequestFailedError`` (a server bug, whose text is
+        for the log)."""
         item = await self.queue.get()
         if isinstance(item, BaseException):
             raise item
         self.finished = item.finished
         if item.error is not None:
-            if isinstance(item.error, own_faults):
+            if isinstance(item.error, RequestError):
                 raise item.error
             raise RequestFailedError("the request failed in the engine") from item.error
         return item
@@ -84,9 +84,6 @@ class StreamingClient(abc.ABC):
 
     ``_lock`` guards every attribute below that the consumer's threads and the
     thread delivering outputs both touch."""
-
-    # The output errors that are the request's own fault (raised to the caller as they are).
-    _own_faults: tuple[type[BaseException], ...] = (RequestError,)
 
     def __init__(self, stats: EngineStats) -> None:
         self._lock = threading.Lock()
@@ -160,7 +157,7 @@ class StreamingClient(abc.ABC):
                 raise
         try:
             while not stream.finished:
-                yield await stream.next_output(self._own_faults)
+                yield await stream.next_output()
         finally:
             # Closed early, cancelled, or failed: the engine must let go of it.
             if not stream.finished:
