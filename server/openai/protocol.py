@@ -27,6 +27,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from engine.api.sampling_params import MAX_TOP_LOGPROBS
+from server.chat.tool_schemas import check_tool_schemas
 from server.http.errors import APIError
 from server.http.input_checks import InputProblem, check_arguments_text, check_body
 
@@ -351,6 +352,9 @@ class ChatCompletionRequest(_SamplingRequest):
         names = [t.function.name for t in value or []]
         if len(set(names)) != len(names):
             raise _format_error("function names must be unique")
+        # Schemas the DSML call format cannot carry: a 400 naming the property
+        # (server/chat/tool_schemas.py says why refuse rather than escape).
+        check_tool_schemas([t.function.parameters for t in value or []])
         return value
 
     @field_validator("tool_choice")
