@@ -83,10 +83,14 @@ class ChatOutputParser:
         parse_tools: bool,
         think_end_id: int | None,
         token_texts: TokenTexts | None = None,
+        forced_calls: bool = False,
     ) -> None:
-        """``token_texts``: set when the request asked for logprobs."""
+        """``token_texts``: set when the request asked for logprobs. ``forced_calls``: a
+        grammar makes the answer one calls block (``tool_choice`` required or named), so
+        it carries no content, even when ``max_tokens`` cuts the block short."""
         self._reasoning = ReasoningParser() if starts_in_reasoning else None
-        self._tools = ToolCallParser() if parse_tools else None
+        self._tools = ToolCallParser(forced=forced_calls) if parse_tools else None
+        self._forced_calls = forced_calls
         self._think_end_id = think_end_id
         self._texts = token_texts
         self._in_reasoning_tokens = starts_in_reasoning
@@ -172,9 +176,11 @@ class ChatOutputParser:
             ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments))
             for c in calls
         ]
+        only_calls = bool(tool_calls) or (self._forced_calls and self._tools is not None)
         return ResponseMessage(
-            # OpenAI: content is null when the answer is only tool calls.
-            content=self.total.content if self.total.content or not tool_calls else None,
+            # OpenAI: content is null when the answer is only tool calls (a forced call cut
+            # before its header completed included: its answer was never text).
+            content=self.total.content if self.total.content or not only_calls else None,
             reasoning_content=self.total.reasoning if thinking else None,
             tool_calls=tool_calls or None,
         )

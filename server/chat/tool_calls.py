@@ -30,6 +30,7 @@ from typing import Any
 from engine.api.special_tokens import (
     CALLS_CLOSE,
     CALLS_OPEN,
+    DSML,
     INVOKE_CLOSE,
     INVOKE_OPEN,
     PARAM_CLOSE,
@@ -189,8 +190,13 @@ class ToolCallParser:
     "length").
     """
 
-    def __init__(self, id_factory: Callable[[], str] = new_call_id) -> None:
+    def __init__(
+        self, id_factory: Callable[[], str] = new_call_id, *, forced: bool = False
+    ) -> None:
+        """``forced``: a grammar makes the whole output one calls block (``tool_choice``
+        required or named), so no text of it is ever content."""
         self._new_id = id_factory
+        self._forced = forced
         self._state = _State.CONTENT
         self._buf = ""
         self._skip_ws = False  # drop whitespace right after a calls block
@@ -226,7 +232,8 @@ class ToolCallParser:
     def finish(self) -> ParseDelta:
         out = ParseDelta()
         if self._state is _State.CONTENT:
-            out.content = self._take_content(self._buf)
+            if not self._held_back_markup(self._buf):
+                out.content = self._take_content(self._buf)
         elif self._state is _State.PARAM and not self._param_is_string:
             # Cut inside a non-string value: its text so far, unparsed. The held-back
             # tail (a possible start of the close tag) is dropped here as in a string
@@ -234,6 +241,15 @@ class ToolCallParser:
             self._emit(out, self._raw_value.strip())
         self._buf = ""
         return out
+
+    def _held_back_markup(self, tail: str) -> bool:
+        """Whether the text held back at the end (the start of a calls block cut by
+        ``max_tokens``, with the blank lines before it) is markup, never content: always
+        under a forced call, whose output is the block from its first character (the
+        tail is then ``"\n\n<"``, say); otherwise once it holds the ``｜DSML｜`` marker,
+        which no answer text needs. A bare ``"<"`` or blank stays content: the model
+        may have written it as text."""
+        return bool(tail) and (self._forced or DSML in tail)
 
     # -- one transition per call; False when more text is needed
 
@@ -303,8 +319,12 @@ class ToolCallParser:
         if param >= 0:
             header = _PARAM_HEADER.match(buf, param)
             if header is None:
-                if ">" in buf[param:]:  # malformed header: skip it
-                    self._buf = buf[buf.index(">", param) + 1 :]
+                # A header ends at '">' (a name cannot hold '"': server/chat/tool_schemas.py),
+                # so a lone '>' is part of the name (``c>d``) and the header is still
+                # coming; only text past a '">' that does not match is malformed.
+                end = buf.find('">', param + len(PARAM_OPEN))
+                if end >= 0:  # malformed header: skip it
+                    self._buf = buf[end + 2 :]
                     return True
                 self._buf = buf[param:]
                 return False

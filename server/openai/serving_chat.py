@@ -53,6 +53,7 @@ class ChatPlan:
     thinking: bool
     starts_in_reasoning: bool
     parse_tools: bool
+    forced_calls: bool  # the grammar makes the answer one calls block
     logprobs: bool
     calls: list[EngineCall]
 
@@ -92,6 +93,7 @@ class ChatResponse(ResponseBuilder):
             ChatOutputParser(
                 starts_in_reasoning=plan.starts_in_reasoning,
                 parse_tools=plan.parse_tools,
+                forced_calls=plan.forced_calls,
                 think_end_id=think_end_id,
                 token_texts=ctx.token_texts if plan.logprobs else None,
             )
@@ -240,9 +242,15 @@ def plan_chat(ctx: ServingContext, body: ChatCompletionRequest, api_key: str | N
         thinking=thinking,
         starts_in_reasoning=starts_in_reasoning,
         parse_tools=uses_tools,
+        forced_calls=forced_calls(grammar),
         logprobs=logprobs is not None,
         calls=calls,
     )
+
+
+def forced_calls(grammar: StructuredOutputSpec | None) -> bool:
+    """Whether the grammar makes the whole answer one calls block (required or named)."""
+    return grammar is not None and grammar.tools is not None and grammar.tool_choice != "auto"
 
 
 def answer_prefix(prompt: str, starts_in_reasoning: bool) -> str:
