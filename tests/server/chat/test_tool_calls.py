@@ -250,3 +250,51 @@ def test_call_ids() -> None:
     ids = {new_call_id() for _ in range(100)}
     assert len(ids) == 100
     assert all(re.fullmatch(r"call_[0-9a-f]{24}", i) for i in ids)
+
+
+@pytest.mark.parametrize("name", ["c>d", "x>", "<b>", "c<d"])
+def test_angle_brackets_in_a_parameter_name_stream_like_the_whole_text(name: str) -> None:
+    """A header ends at '">' (a quote in a name is refused: server/chat/tool_schemas.py); a
+    '>' inside the name is name text, also while the header is still arriving."""
+    text = (
+        '\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name="f">\n'
+        f'<｜DSML｜ parameter name="{name}" string="true">v</｜DSML｜ parameter>\n'
+        "</｜DSML｜ invoke>\n</｜DSML｜ calls>"
+    )
+    _, expected = oracle(text)
+    assert expected == [("f", {name: "v"})]
+    deltas, parser = run_stream(list(text))
+    content, calls = collect(deltas)
+    assert content == ""
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == expected
+    assert parser.complete
+
+
+# Cuts of a forced call's first tokens: the grammar writes "\n\n<｜DSML｜ calls>\n" first.
+FORCED_CUTS = ["\n", "\n\n", "\n\n<", "\n\n<｜DSML｜", "\n\n<｜DSML｜ ca", "\n\n<｜DSML｜ calls"]
+
+
+@pytest.mark.parametrize("cut", FORCED_CUTS)
+def test_a_cut_forced_call_puts_no_markup_into_content(cut: str) -> None:
+    for pieces in ([cut], list(cut)):  # whole, and one character a delta
+        parser = ToolCallParser(counter_ids(), forced=True)
+        deltas = [parser.feed(p) for p in pieces] + [parser.finish()]
+        assert collect(deltas) == ("", {}), pieces
+        assert not parser.has_calls and not parser.complete
+
+
+@pytest.mark.parametrize(
+    ("text", "content"),
+    [
+        ("Sure.\n\n<｜DSML｜ cal", "Sure."),  # a calls block begun: markup, dropped
+        ("Sure.\n\n<｜DSML｜", "Sure."),
+        ("a <", "a <"),  # a bare '<' may be the answer's own text
+        ("a\n\n", "a\n\n"),
+    ],
+)
+def test_a_block_cut_before_it_opened_is_not_content_in_auto_mode_either(
+    text: str, content: str
+) -> None:
+    for pieces in ([text], list(text)):
+        deltas, _ = run_stream(pieces)
+        assert collect(deltas) == (content, {}), pieces
