@@ -211,3 +211,35 @@ def test_top_logprobs_under_the_grammar_list_only_producible_tokens(
         assert entry.logprob == pytest.approx(values[0], abs=1e-4)  # greedy: the best
         shorter += len(values) < 20
     assert shorter > 0  # the grammar allowed fewer than 20 tokens somewhere
+
+
+@pytest.mark.parametrize("tool_choice", ["required", NAMED], ids=["required", "named"])
+def test_a_forced_call_cut_before_its_first_call_has_no_content(
+    live_server: LiveServer, client: openai.OpenAI, tool_choice
+) -> None:
+    """The grammar writes ``\\n\\n<｜DSML｜ calls>\\n`` first; a budget that ends in it
+    used to leave the held-back start (``"\\n\\n<｜DS"``) as the answer's content. A
+    forced answer is never text: content null (none streamed), no call before its
+    header is whole, ``length``."""
+    body = {
+        "model": "deepseek-chat",
+        "messages": ASK,
+        "tools": TOOLS,
+        "tool_choice": tool_choice,
+        "temperature": 0,
+        "logit_bias": DSML_AS_ONE_TOKEN,
+    }
+    for max_tokens in (1, 2, 3, 4, 5):  # "\n", "\n", "<", "｜DSML｜", " calls"...
+        r = client.chat.completions.create(**body, max_tokens=max_tokens)
+        choice = r.choices[0]
+        assert choice.finish_reason == "length"
+        assert choice.message.content is None, (max_tokens, choice.message)
+        assert choice.message.tool_calls is None
+        events, _ = stream_raw(
+            live_server, "/v1/chat/completions", {**body, "max_tokens": max_tokens, "stream": True}
+        )
+        deltas = [c["delta"] for e in events for c in e["choices"]]
+        assert "".join(d.get("content") or "" for d in deltas) == "", deltas
+        assert not any(d.get("tool_calls") for d in deltas)
+        finishes = [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]]
+        assert finishes == ["length"]

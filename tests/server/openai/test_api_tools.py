@@ -186,3 +186,119 @@ def test_json_object_mode_is_an_object_or_cut(client: openai.OpenAI) -> None:
     assert text.startswith("{")
     if choice.finish_reason == "stop":
         assert isinstance(json.loads(text), dict)
+
+
+# ---------------------------------------------------------------- schemas and the DSML format
+
+CLOSE_TAG = "</｜DSML｜ parameter>"
+# Names with '>' and '<' are DSML-safe (the header ends at '">'); on a random model the
+# enums keep the call short.
+ANGLED_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "c>d": {"type": "string", "enum": ["x", "y"]},
+        "<b>": {"type": "integer", "minimum": 1, "maximum": 3},
+    },
+    "required": ["c>d", "<b>"],
+    "additionalProperties": False,
+}
+
+
+def _one_tool(parameters: dict) -> list[dict]:
+    return [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
+
+
+def _joined_stream_calls(events: list[dict]) -> list[tuple[str, str]]:
+    calls: dict[int, list[str]] = {}
+    for event in events:
+        for choice in event["choices"]:
+            assert not choice["delta"].get("content"), choice
+            for delta in choice["delta"].get("tool_calls") or []:
+                name, args = calls.setdefault(delta["index"], ["", ""])
+                if "id" in delta:
+                    name = delta["function"]["name"]
+                calls[delta["index"]] = [name, args + delta["function"]["arguments"]]
+    return [(name, args) for name, args in (calls[i] for i in sorted(calls))]
+
+
+@pytest.mark.parametrize(
+    "tool_choice", ["required", {"type": "function", "function": {"name": "f"}}]
+)
+def test_angle_brackets_in_property_names_give_schema_valid_calls(
+    live_server: LiveServer, tool_choice
+) -> None:
+    """The grammar writes such names verbatim; the parser must read them back whole and
+    streamed (it used to take the '>' for the end of a malformed header and drop it)."""
+    body = {
+        "model": "deepseek-chat",
+        "messages": ASK,
+        "tools": _one_tool(ANGLED_SCHEMA),
+        "tool_choice": tool_choice,
+        "parallel_tool_calls": False,
+        "temperature": 0,
+        "max_tokens": 120,
+        "logit_bias": {str(DSML_ID): 100},
+    }
+    r = live_server.post("/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", choice
+    (call,) = choice["message"]["tool_calls"]
+    arguments = json.loads(call["function"]["arguments"])
+    jsonschema.validate(arguments, ANGLED_SCHEMA)
+    events, _ = stream_raw(live_server, "/v1/chat/completions", {**body, "stream": True})
+    streamed = _joined_stream_calls(events)
+    assert [(n, json.loads(a)) for n, a in streamed] == [("f", arguments)]
+    finishes = [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]]
+    assert finishes == ["tool_calls"]
+
+
+# (case, parameters, the 400's param)
+UNCARRIABLE = [
+    (
+        "quote in a required name",
+        {
+            "type": "object",
+            "properties": {'a"b': {"type": "string", "enum": ["x"]}},
+            "required": ['a"b'],
+        },
+        'tools[0].function.parameters.properties.a"b',
+    ),
+    (
+        "close tag as an enum value",
+        {
+            "type": "object",
+            "properties": {"q": {"type": "string", "enum": [CLOSE_TAG]}},
+            "required": ["q"],
+        },
+        "tools[0].function.parameters.properties.q.enum[0]",
+    ),
+    ("string schema", {"type": "string"}, "tools[0].function.parameters"),
+]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    ("parameters", "param"), [c[1:] for c in UNCARRIABLE], ids=[c[0] for c in UNCARRIABLE]
+)
+def test_schemas_the_call_format_cannot_carry_are_400s_naming_the_property(
+    live_server: LiveServer, parameters: dict, param: str, stream: bool
+) -> None:
+    """These came back as ``tool_calls`` with arguments that broke the schema (``{}``, or
+    an empty value and a second call); the format has no escape, so they are refused."""
+    for tool_choice in ("required", "auto", "none"):
+        body = {
+            "model": "deepseek-chat",
+            "messages": ASK,
+            "tools": _one_tool(parameters),
+            "tool_choice": tool_choice,
+            "max_tokens": 4,
+            "stream": stream,
+        }
+        r = live_server.post("/v1/chat/completions", body)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert error["type"] == error["code"] == "invalid_request_error"
+        assert error["param"] == param
+        assert error["message"].startswith(param + ": ")
