@@ -205,6 +205,8 @@ class ToolCallParser:
         self._has_param = False  # the open invoke has a parameter already
         self._param_is_string = False
         self._raw_value = ""  # a non-string value waiting for its close tag
+        self._in_json_string = False  # the non-string value's text is inside a JSON string
+        self._json_escape = False  # ... right after a backslash there
         self._block_closed = False  # a calls block has been closed
 
     @property
@@ -331,6 +333,7 @@ class ToolCallParser:
             key, is_string = header.group(1), header.group(2)
             self._param_is_string = is_string == "true"
             self._raw_value = ""
+            self._in_json_string = self._json_escape = False
             sep = ", " if self._has_param else "{"
             self._emit(out, sep + to_json(key) + ": " + ('"' if self._param_is_string else ""))
             self._has_param = True
@@ -341,6 +344,8 @@ class ToolCallParser:
         return False
 
     def _step_param(self, out: ParseDelta) -> bool:
+        if not self._param_is_string:
+            return self._step_json_param(out)
         buf = self._buf
         at = buf.find(PARAM_CLOSE)
         if at >= 0:
@@ -350,10 +355,35 @@ class ToolCallParser:
             return True
         keep = partial_tag_tail(buf, [PARAM_CLOSE])
         piece, self._buf = buf[: len(buf) - keep], buf[len(buf) - keep :]
-        if self._param_is_string:
-            self._emit(out, to_json(piece)[1:-1])  # JSON escaping is per character
-        else:
-            self._raw_value += piece
+        self._emit(out, to_json(piece)[1:-1])  # JSON escaping is per character
+        return False
+
+    def _step_json_param(self, out: ParseDelta) -> bool:
+        """A non-string value is JSON, and the grammar lets a string inside it hold any
+        text, the close tag included (``["a</｜DSML｜ parameter>"]``): the tag ends the
+        value only outside JSON strings."""
+        buf, i = self._buf, 0
+        while i < len(buf):
+            ch = buf[i]
+            if self._in_json_string:
+                if self._json_escape:
+                    self._json_escape = False
+                elif ch == "\\":
+                    self._json_escape = True
+                elif ch == '"':
+                    self._in_json_string = False
+            elif buf.startswith(PARAM_CLOSE, i):
+                self._close_param(buf[:i], out)
+                self._buf = buf[i + len(PARAM_CLOSE) :]
+                self._state = _State.INVOKE
+                return True
+            elif len(buf) - i < len(PARAM_CLOSE) and PARAM_CLOSE.startswith(buf[i:]):
+                break  # a possible start of the close tag: wait for more
+            elif ch == '"':
+                self._in_json_string = True
+            i += 1
+        self._raw_value += buf[:i]
+        self._buf = buf[i:]
         return False
 
     def _close_param(self, piece: str, out: ParseDelta) -> None:

@@ -27,7 +27,12 @@ refused (docs/design/api.md, "Tools"):
   ``｜DSML｜`` marker;
 - an ``enum``/``const`` value or a ``pattern`` holding the ``｜DSML｜`` marker
   (every tag of the format contains it, and the marker is a special token no
-  answer needs).
+  answer needs). Any string inside the value counts, also where the call would
+  carry it as JSON, which the parser reads back: one rule, simply stated.
+
+Not caught here: a top-level string whose ``pattern`` matches the close tag
+without spelling the marker (``.*``). xgrammar's grammar keeps the tag out of
+plain strings only; such a value would end its parameter early.
 
 Tool names need no check here: their pattern (``^[A-Za-z0-9_.:-]{1,64}$``,
 server/openai/protocol.py) already excludes every character of the syntax.

@@ -298,3 +298,24 @@ def test_a_block_cut_before_it_opened_is_not_content_in_auto_mode_either(
     for pieces in ([text], list(text)):
         deltas, _ = run_stream(pieces)
         assert collect(deltas) == (content, {}), pieces
+
+
+def test_the_close_tag_inside_a_json_string_of_a_non_string_value_is_text() -> None:
+    """The grammar lets a string inside a JSON value hold any text (the check in
+    tests/server/chat/test_tool_schemas.py); only a close tag outside JSON strings ends
+    the value."""
+    value = ["a</｜DSML｜ parameter>b", 'q"</｜DSML｜ parameter>', "\\"]
+    text = (
+        '<｜DSML｜ calls>\n<｜DSML｜ invoke name="f">\n'
+        f'<｜DSML｜ parameter name="l" string="false">{json.dumps(value, ensure_ascii=False)}'
+        "</｜DSML｜ parameter>\n"
+        '<｜DSML｜ parameter name="n" string="false">2</｜DSML｜ parameter>\n'
+        "</｜DSML｜ invoke>\n</｜DSML｜ calls>"
+    )
+    expected = [("f", {"l": value, "n": 2})]
+    for pieces in ([text], list(text)):
+        deltas, parser = run_stream(pieces)
+        content, calls = collect(deltas)
+        assert content == ""
+        assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == expected
+        assert parser.complete

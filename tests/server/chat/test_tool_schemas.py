@@ -93,12 +93,10 @@ REFUSED = [
         "properties.q.enum[0]",
     ),
     (
-        "close tag as a const inside an object value",
-        obj({"o": {"const": {"k": CLOSE}}}),
-        call_text(
-            [("o", json.dumps({"k": CLOSE}, separators=(",", ":"), ensure_ascii=False), False)]
-        ),
-        "properties.o.const.k",
+        "close tag as a const",
+        obj({"c": {"const": CLOSE}}),
+        call_text([("c", CLOSE, True)]),
+        "properties.c.const",
     ),
     (
         "close tag spelled by a pattern",
@@ -204,3 +202,25 @@ def test_every_place_a_name_or_value_hides_is_walked() -> None:
 def test_another_api_names_its_own_field() -> None:
     error = refusal([obj({"ok": {}}), obj({'a"b': {}})], "tools[{i}].input_schema")
     assert error.param == 'tools[1].input_schema.properties.a"b'
+
+
+def test_the_close_tag_in_a_free_string_inside_a_value_is_allowed_and_read_back(
+    grammar_accepts,
+) -> None:
+    """Not a schema problem: the grammar lets any text into a string inside a JSON value,
+    so the parser ends a non-string value only at a close tag outside JSON strings."""
+    schema = obj({"l": {"type": "array", "items": {"type": "string"}}})
+    check_tool_schemas([schema])
+    value = [f"a{CLOSE}b"]
+    text = call_text([("l", json.dumps(value, separators=(",", ":"), ensure_ascii=False), False)])
+    assert grammar_accepts(schema, text)
+    assert [json.loads(c.arguments) for c in parse_tool_calls(text).tool_calls] == [{"l": value}]
+
+
+def test_the_marker_is_refused_in_values_also_where_json_would_carry_it() -> None:
+    """Inside a JSON value the parser would read the close tag back (above); the rule is
+    kept one and simple all the same: the marker is a special token no value needs."""
+    nested = obj({"o": {"const": {"k": CLOSE}}})
+    assert refusal([nested]).param == "tools[0].function.parameters.properties.o.const.k"
+    quoted = obj({"o": obj({'q"': {"type": "integer"}})})
+    assert refusal([quoted]).param == 'tools[0].function.parameters.properties.o.properties.q"'
