@@ -120,3 +120,30 @@ def test_chat_prompt_logprobs_score_the_rendered_prompt(live_server: LiveServer)
     assert len(entries) == data["usage"]["prompt_tokens"] and entries[0] is None
     assert all(e is not None and 1 <= len(e) <= 2 for e in entries[1:])
     assert all(v["logprob"] <= 0 for e in entries[1:] for v in e.values())
+
+
+def test_streamed_chat_carries_the_same_prompt_logprobs_in_its_first_chunk(
+    live_server: LiveServer,
+) -> None:
+    """A streamed chat once dropped them; the oracle is the same request not streamed."""
+    body = {
+        "model": "deepseek-chat",
+        "messages": [{"role": "user", "content": "Score me, then stream"}],
+        "max_tokens": 2,
+        "temperature": 0,
+        "prompt_logprobs": 2,
+    }
+    r = live_server.post("/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    plain = r.json()
+    want = plain["prompt_logprobs"]
+    assert len(want) == plain["usage"]["prompt_tokens"] and want[0] is None
+    chunks, _ = stream_raw(live_server, "/v1/chat/completions", {**body, "stream": True})
+    first = chunks[0]
+    assert [(c["index"], c["delta"]) for c in first["choices"]] == [
+        (0, {"role": "assistant", "content": ""})
+    ]
+    assert first.get("prompt_logprobs") == want
+    assert all("prompt_logprobs" not in c for c in chunks[1:])
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert text == plain["choices"][0]["message"]["content"]  # greedy: the same answer
