@@ -15,6 +15,7 @@ tables here, beside the function that reads them.
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import signal
@@ -40,6 +41,9 @@ HELP = "serve the OpenAI/DeepSeek-compatible API (--model tiny or a checkpoint d
 CACHE_ENV = "FLASHSERVE_CACHE"
 # Set to 1 (true, yes): the engine core runs in the API process (--in-process-engine).
 IN_PROCESS_ENV = "FLASHSERVE_IN_PROCESS_ENGINE"
+# The drain's last seconds (at most half of it): the open requests, ended with a 503,
+# finish their responses before uvicorn cancels what is left (a body still arriving).
+END_GRACE_S = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,8 +91,10 @@ class ServeOptions:
         metadata={
             "group": "limits",
             "flag": "--shutdown-timeout",
-            "help": "on SIGTERM/SIGINT: seconds to drain open requests, then as long again at "
-            "most to stop the engine and flush the SSD tier (default %(default)s)",
+            "help": "on SIGTERM/SIGINT: seconds to drain open requests (those still open 2 s "
+            "before its end get a 503 'shutting down'; a stream: its error event and [DONE]), "
+            "then as long again at most to stop the engine and flush the SSD tier "
+            "(default %(default)s)",
         },
     )
     in_process_engine: bool = field(
@@ -225,7 +231,8 @@ def uvicorn_config(app: object, options: ServeOptions) -> uvicorn.Config:
         port=options.port,
         log_level=options.log_level,
         http=header_timeout_protocol(options.header_timeout_s),
-        # Drain: open requests get this long after the stop signal, then are cancelled.
+        # Drain: open requests get this long after the stop signal; near its end they are
+        # ended with a 503 (_end_after_drain), and what still runs then is cancelled.
         timeout_graceful_shutdown=options.shutdown_timeout_s,  # type: ignore[arg-type]
     )
 
@@ -385,10 +392,14 @@ def _serve_until_stopped(make_app: Callable[[], object], options: ServeOptions, 
 
     import uvicorn
 
+    from server.app import end_open_requests
+
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
-        server = uvicorn.Server(uvicorn_config(make_app(), options))
-        asyncio.run(_serve(server, model))
+        app = make_app()
+        server = uvicorn.Server(uvicorn_config(app, options))
+        end = functools.partial(end_open_requests, app)  # type: ignore[arg-type]
+        asyncio.run(_serve(server, model, end, drain_before_ending(options.shutdown_timeout_s)))
     except KeyboardInterrupt:
         pass  # the stop signal, raised again after the graceful shutdown
     finally:
@@ -498,17 +509,47 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-async def _serve(server: uvicorn.Server, model: str) -> None:
-    """Run uvicorn; print the URL once it listens (the real port when ``--port 0``)."""
+async def _serve(
+    server: uvicorn.Server, model: str, end_requests: Callable[[], int], drain_s: float
+) -> None:
+    """Run uvicorn; print the URL once it listens (the real port when ``--port 0``); end
+    the open requests ``drain_s`` after the stop signal (``_end_after_drain``)."""
     import asyncio
 
     task = asyncio.create_task(server.serve())
-    while not server.started and not task.done():
+    drain = asyncio.create_task(_end_after_drain(server, end_requests, drain_s))
+    try:
+        while not server.started and not task.done():
+            await asyncio.sleep(0.05)
+        if server.started:
+            url = _url(server)
+            _say(f"serving {model} at {url} (OpenAI base URL {url}/v1)")
+        await task
+    finally:
+        drain.cancel()
+
+
+def drain_before_ending(shutdown_timeout_s: float) -> float:
+    """Seconds after the stop signal that open requests end with a 503: the drain less
+    its grace (``END_GRACE_S``, at most half the drain), so the ended responses finish
+    before uvicorn's deadline and the drain stays within ``--shutdown-timeout``."""
+    return shutdown_timeout_s - min(END_GRACE_S, shutdown_timeout_s / 2)
+
+
+async def _end_after_drain(
+    server: uvicorn.Server, end_requests: Callable[[], int], drain_s: float
+) -> None:
+    """Once uvicorn is told to stop, wait ``drain_s``, then end every request still open
+    with a 503 in its API's shape. uvicorn's own deadline is later by the grace, so a
+    stream ends with its error event and end marker, not a body cut by a cancel."""
+    import asyncio
+
+    while not server.should_exit:  # set by uvicorn's signal handler
         await asyncio.sleep(0.05)
-    if server.started:
-        url = _url(server)
-        _say(f"serving {model} at {url} (OpenAI base URL {url}/v1)")
-    await task
+    await asyncio.sleep(drain_s)
+    ended = end_requests()
+    if ended:
+        _say(f"shutdown: ended {ended} open request(s) with 503 after {drain_s:g} s of drain")
 
 
 def _url(server: uvicorn.Server) -> str:

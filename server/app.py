@@ -8,6 +8,10 @@ routes instead of the API; a router has no engine and its own app
 (``server/disagg/router.py``). Every failure, including
 FastAPI's own (validation, unknown path, wrong method) and any bug, leaves as
 ``{"error": {...}}`` with DeepSeek's status codes.
+
+Stopping: ``end_open_requests`` ends every request still running with a 503 of
+its API (the drain's end, called by ``flashserve serve``), and ``QuietCancel``
+answers whatever uvicorn cancels after that without a traceback.
 """
 
 # No `from __future__ import annotations`: FastAPI reads the route signatures at
@@ -28,6 +32,7 @@ from server.http.body_limit import BodySizeLimit
 from server.http.docs_routes import add_docs_routes
 from server.http.error_handlers import install_error_handlers
 from server.http.errors import unavailable
+from server.http.shutdown import QuietCancel
 from server.http.sse import MEDIA_TYPE
 from server.metrics.metrics import CONTENT_TYPE, ServerMetrics
 from server.openai.generation import Admission, ServingContext
@@ -103,6 +108,7 @@ def create_app(engine: EngineClient, settings: ServerSettings | None = None) -> 
         max_bytes=settings.max_body_bytes,
         read_timeout_s=settings.body_read_timeout_s,
     )
+    app.add_middleware(QuietCancel)  # added last: the outermost of ours
     auth = api_key_dependency(settings.api_keys)
     add_docs_routes(app, auth)
     if settings.role == "prefill":
@@ -130,6 +136,14 @@ def create_app(engine: EngineClient, settings: ServerSettings | None = None) -> 
         return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)
 
     return app
+
+
+def end_open_requests(app: FastAPI) -> int:
+    """End every request ``app`` is still serving with a 503 "shutting down" in its API's
+    shape (a stream: its error event and end marker); how many. An app without an
+    engine (the split deployment's router) has none."""
+    ctx = getattr(app.state, "serving", None)
+    return ctx.open_requests.shut_down() if isinstance(ctx, ServingContext) else 0
 
 
 def _add_api_routes(app: FastAPI, ctx: ServingContext, auth: Callable[..., Any]) -> None:

@@ -46,6 +46,7 @@ from server.http.auth import api_key_dependency
 from server.http.body_limit import BodySizeLimit
 from server.http.error_handlers import install_error_handlers
 from server.http.errors import server_error, unavailable
+from server.http.shutdown import QuietCancel
 from server.http.sse import DONE, MEDIA_TYPE, WatchedStreamingResponse, event
 from server.metrics.metrics import CONTENT_TYPE, ServerMetrics
 from server.openai.model_routes import add_model_routes
@@ -188,6 +189,7 @@ def create_router_app(
         max_bytes=settings.max_body_bytes,
         read_timeout_s=settings.body_read_timeout_s,
     )
+    app.add_middleware(QuietCancel)  # what uvicorn cancels at shutdown: no traceback
     auth = api_key_dependency(settings.api_keys)
 
     async def proxy(request: HttpRequest, _: Annotated[str | None, Depends(auth)]) -> Response:

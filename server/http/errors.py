@@ -134,6 +134,12 @@ def unavailable(message: str = "The server is overloaded or not ready; retry lat
     return APIError(503, message)
 
 
+def shutting_down() -> APIError:
+    """503: the server is stopping and ends the request it could not finish in time (a
+    client retries it elsewhere); one fresh error per request, each API frames its own."""
+    return APIError(503, "The server is shutting down; retry the request")
+
+
 # The engine's name for the prompt (``Request.prompt_token_ids``); each front end
 # names its own prompt field (chat: ``messages``, completions: ``prompt``).
 ENGINE_PROMPT = "prompt_token_ids"

@@ -7,6 +7,11 @@ their outputs, so waiting for the next output (with a timeout, for keep-alive
 comments and disconnect checks) never cancels an engine stream. Closing it
 cancels those tasks, which makes ``AsyncEngine.generate`` abort its request and
 free its pages.
+
+Every open ``Generation`` is listed in its context's ``OpenRequests``, so a server
+that stops can end each request still running with one error (``shut_down``)
+that the request's own API frames: an error event and the end marker on a stream,
+an error body otherwise, rather than a connection cut mid-body.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from server.http.errors import (
     from_engine_error,
     invalid_request,
     overloaded,
+    shutting_down,
     unavailable,
 )
 from server.metrics.metrics import ServerMetrics
@@ -83,6 +89,23 @@ class Admission:
 
 
 @dataclass(slots=True)
+class OpenRequests:
+    """The generations this server is running (event loop only). ``shut_down`` ends each
+    with a 503 "shutting down" raised into its next read, and refuses later ones."""
+
+    generations: set[Generation] = field(default_factory=set)
+    shutting_down: bool = False
+
+    def shut_down(self) -> int:
+        """End every open generation (each gets an error of its own); how many."""
+        self.shutting_down = True
+        open_now = list(self.generations)
+        for gen in open_now:
+            gen.end(shutting_down())
+        return len(open_now)
+
+
+@dataclass(slots=True)
 class ServingContext:
     """What serving any API request needs; one per app."""
 
@@ -92,6 +115,7 @@ class ServingContext:
     tokenizer: Tokenizer
     token_texts: TokenTexts
     admission: Admission = field(default_factory=Admission)
+    open_requests: OpenRequests = field(default_factory=OpenRequests)
 
     # Worker threads for tokenisation and request planning (``offload``).
     pool: ThreadPoolExecutor = field(
@@ -213,6 +237,8 @@ class Generation:
         end-to-end latency are measured."""
         if not ctx.engine.is_running:  # a 503 now, rather than a stream that fails at once
             raise unavailable("The engine is not running")
+        if ctx.open_requests.shutting_down:  # planned while the server began to stop
+            raise shutting_down()
         for call in calls:
             try:
                 ctx.engine.validate(call.request)
@@ -243,6 +269,7 @@ class Generation:
         self._tasks = [
             asyncio.create_task(self._pump(k, call)) for k, call in enumerate(self._calls)
         ]
+        ctx.open_requests.generations.add(self)
 
     async def _pump(self, k: int, call: EngineCall) -> None:
         token_times: list[float] = []
@@ -263,6 +290,17 @@ class Generation:
             if ready is not None and not ready.done():
                 ready.set_exception(exc)
             self._queue.put_nowait((k, exc))
+
+    def end(self, error: APIError) -> None:
+        """End this request with ``error`` (the server stops): its next read raises it, as
+        an engine failure would, so the front end's own framing reports it. Closing the
+        generation then aborts the engine requests."""
+        # ``grammars_ready`` awaits the futures in order: failing the first pending one
+        # wakes it (failing the others too would leave errors no one retrieves).
+        pending = next((f for f in self._grammar_ready.values() if not f.done()), None)
+        if pending is not None:
+            pending.set_exception(error)
+        self._queue.put_nowait((0, error))
 
     async def grammars_ready(self) -> None:
         """Wait until the engine has compiled every call's grammar; the API error of the
@@ -379,6 +417,7 @@ class Generation:
         if self._closed:
             return
         self._closed = True
+        self._ctx.open_requests.generations.discard(self)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

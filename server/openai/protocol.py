@@ -628,7 +628,8 @@ class ChunkChoice(BaseModel):
 
 
 class ChatCompletionChunk(BaseModel):
-    """One SSE event; with ``include_usage`` every chunk carries ``usage`` (null but the last)."""
+    """One SSE event; with ``include_usage`` every chunk carries ``usage`` (null but the last).
+    ``prompt_logprobs`` (as ``ChatCompletion``'s) is in the first chunk only, absent elsewhere."""
 
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
@@ -637,6 +638,11 @@ class ChatCompletionChunk(BaseModel):
     system_fingerprint: str | None = None
     choices: list[ChunkChoice]
     usage: Usage | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+
+    @model_serializer(mode="wrap")
+    def _ser(self, handler):
+        return _drop_none(handler(self), ("prompt_logprobs",))
 
 
 class CompletionLogprobs(BaseModel):

@@ -82,7 +82,12 @@ async def create_chat_completion(
 class ChatResponse(ResponseBuilder):
     """One chat request's choices, each read by its own output parser, as SSE chunks
     (a role chunk per choice, deltas, one finish chunk per choice, [usage]) or as
-    one ``ChatCompletion``."""
+    one ``ChatCompletion``.
+
+    With ``prompt_logprobs`` the role chunks wait for the scores, which come with the
+    first output (as completions' echo does), and the first one carries them. Should
+    another choice's engine call answer before the scoring one (one call per choice
+    under a grammar), the scores follow in a chunk of their own once they come."""
 
     def __init__(self, ctx: ServingContext, body: ChatCompletionRequest, plan: ChatPlan) -> None:
         self._ctx = ctx
@@ -100,8 +105,15 @@ class ChatResponse(ResponseBuilder):
             for _ in range(body.n)
         ]
         self._exclude = None if body.include_usage else {"usage"}
+        self._opened = body.prompt_logprobs is None  # role chunks sent (at once without)
+        self._scores_pending = body.prompt_logprobs is not None
 
-    def _chunk(self, choices: list[ChunkChoice], usage: ApiUsage | None = None) -> bytes:
+    def _chunk(
+        self,
+        choices: list[ChunkChoice],
+        usage: ApiUsage | None = None,
+        prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None,
+    ) -> bytes:
         plan = self._plan
         payload = ChatCompletionChunk(
             id=plan.id,
@@ -110,6 +122,7 @@ class ChatResponse(ResponseBuilder):
             system_fingerprint=self._ctx.settings.system_fingerprint,
             choices=choices,
             usage=usage,
+            prompt_logprobs=prompt_logprobs,
         )
         return event(payload, exclude=self._exclude)
 
@@ -117,10 +130,30 @@ class ChatResponse(ResponseBuilder):
         return sum(p.reasoning_tokens for p in self._parsers)
 
     def opening(self) -> Iterator[bytes]:
+        if self._opened:
+            yield from self._role_chunks(None)
+
+    def _role_chunks(
+        self, prompt_logprobs: list[dict[str, PromptLogprob] | None] | None
+    ) -> Iterator[bytes]:
         for i in range(len(self._parsers)):
-            yield self._chunk([ChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
+            role = ChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))
+            yield self._chunk([role], prompt_logprobs=prompt_logprobs if i == 0 else None)
+
+    def _prompt_chunks(self, gen: Generation) -> Iterator[bytes]:
+        """The deferred role chunks, the first with the prompt's scores if they are in;
+        else the scores alone, once they come."""
+        scores = _prompt_logprobs(self._ctx, self._body, gen)
+        self._scores_pending = scores is None
+        if not self._opened:
+            self._opened = True
+            yield from self._role_chunks(scores)
+        elif scores is not None:
+            yield self._chunk([], prompt_logprobs=scores)
 
     def stream(self, gen: Generation, update: ChoiceUpdate) -> Iterator[bytes]:
+        if self._scores_pending:
+            yield from self._prompt_chunks(gen)
         parser = self._parsers[update.index]
         piece = parser.feed(update.output)
         if not piece.empty:

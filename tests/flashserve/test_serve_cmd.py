@@ -274,3 +274,17 @@ def test_the_engine_core_runs_in_its_own_process_unless_asked() -> None:
     for value, expected in (("1", True), ("true", True), ("YES", True), ("0", False), ("", False)):
         env = {serve_cmd.IN_PROCESS_ENV: value}
         assert serve_cmd.in_process_engine(_args(), env=env) is expected, value
+
+
+def test_open_requests_end_before_uvicorns_deadline() -> None:
+    """The ended requests get the drain's last 2 s (half of a short one) to answer; the
+    drain itself stays --shutdown-timeout, uvicorn's deadline."""
+    assert [serve_cmd.drain_before_ending(t) for t in (20.0, 4.0, 2.0, 1.0, 0.0)] == [
+        18.0,
+        2.0,
+        1.0,
+        0.5,
+        0.0,
+    ]
+    config = serve_cmd.uvicorn_config(object(), serve_cmd.serve_options(_args()))
+    assert config.timeout_graceful_shutdown == 20.0

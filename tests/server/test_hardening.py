@@ -448,3 +448,60 @@ def test_shutdown_timeout_bounds_a_half_sent_request(
     finally:
         sock.close()
         stop_server(server)
+
+
+def _running(server: LiveServer) -> float:
+    return server.metrics()[("flashserve:num_requests_running", ())]
+
+
+def test_shutdown_ends_open_requests_with_their_error_not_a_cut_body(
+    tiny_cache: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """SIGTERM with a stream and a non-streamed request open: once --shutdown-timeout has
+    passed, the stream once lost its connection mid-body (no error, no [DONE]) and the
+    log held a CancelledError traceback. Now the stream ends with an error event in the
+    API's shape, then [DONE], as a complete chunked body; the other request gets a 503
+    body; the process exits 0 without a traceback."""
+    tmp = tmp_path_factory.mktemp("drain")
+    args = ["--model", "tiny", "--api-key", API_KEY, "--max-model-len", "4096"]
+    args += ["--max-num-seqs", "2", "--kv-cache-bytes", str(24 << 20), "--kv-dir", str(tmp / "kv")]
+    args += ["--shutdown-timeout", "4", "--quantization", "none"]
+    server = spawn_server(tiny_cache, tmp / "server.log", args)
+    wait_ready(server)
+    assert server.proc is not None
+    # Far longer than the drain (a loaded CPU decodes the tiny model at tens of tokens/s).
+    long = chat(max_tokens=4000, logit_bias={"1": -100})  # EOS banned: runs to the end
+    plain: dict[str, httpx.Response] = {}
+
+    def non_streamed() -> None:
+        plain["r"] = post_raw(server, "/v1/chat/completions", long, timeout=60)
+
+    try:
+        with httpx.Client(headers=HEADERS, timeout=60) as http:
+            body = {**long, "stream": True}
+            with http.stream("POST", server.base_url + "/v1/chat/completions", json=body) as r:
+                assert r.status_code == 200
+                lines = r.iter_lines()
+                seen = [next(lines) for _ in range(4)]  # role chunk, blank line, a delta
+                waiter = threading.Thread(target=non_streamed)
+                waiter.start()
+                deadline = time.monotonic() + NORMAL_S
+                while _running(server) < 2:
+                    assert time.monotonic() < deadline, "the second request never ran"
+                    time.sleep(0.05)
+                started = time.monotonic()
+                server.proc.send_signal(signal.SIGTERM)
+                seen += list(lines)  # a cut body raises httpx.RemoteProtocolError here
+        waiter.join(30)
+        assert server.proc.wait(30) == 0
+        assert time.monotonic() - started < 20.0
+    finally:
+        stop_server(server)
+    payloads = [line.removeprefix("data: ") for line in seen if line.startswith("data: ")]
+    assert payloads[-1] == "[DONE]", payloads[-3:]
+    error = json.loads(payloads[-2])["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "service_unavailable_error" and "shutting down" in error["message"]
+    assert "shutting down" in assert_error(plain["r"], 503)
+    log = server.log_path.read_text(errors="replace")
+    assert "Traceback" not in log and "CancelledError" not in log, log[-3000:]

@@ -120,3 +120,66 @@ def test_chat_prompt_logprobs_score_the_rendered_prompt(live_server: LiveServer)
     assert len(entries) == data["usage"]["prompt_tokens"] and entries[0] is None
     assert all(e is not None and 1 <= len(e) <= 2 for e in entries[1:])
     assert all(v["logprob"] <= 0 for e in entries[1:] for v in e.values())
+
+
+def test_streamed_chat_carries_the_same_prompt_logprobs_in_its_first_chunk(
+    live_server: LiveServer,
+) -> None:
+    """A streamed chat once dropped them; the oracle is the same request not streamed."""
+    body = {
+        "model": "deepseek-chat",
+        "messages": [{"role": "user", "content": "Score me, then stream"}],
+        "max_tokens": 2,
+        "temperature": 0,
+        "prompt_logprobs": 2,
+    }
+    r = live_server.post("/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    plain = r.json()
+    want = plain["prompt_logprobs"]
+    assert len(want) == plain["usage"]["prompt_tokens"] and want[0] is None
+    chunks, _ = stream_raw(live_server, "/v1/chat/completions", {**body, "stream": True})
+    first = chunks[0]
+    assert [(c["index"], c["delta"]) for c in first["choices"]] == [
+        (0, {"role": "assistant", "content": ""})
+    ]
+    assert first.get("prompt_logprobs") == want
+    assert all("prompt_logprobs" not in c for c in chunks[1:])
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert text == plain["choices"][0]["message"]["content"]  # greedy: the same answer
+
+
+def test_streamed_chat_with_a_call_per_choice_sends_the_prompt_logprobs_once(
+    live_server: LiveServer,
+) -> None:
+    """Under a grammar each choice is an engine call and only the first scores the prompt:
+    the scores come once, in the first chunk or (if another choice answered first) in a
+    chunk of their own, and equal the non-streamed ones."""
+    body = {
+        "model": "deepseek-chat",
+        "messages": [{"role": "user", "content": "Answer in JSON"}],
+        "max_tokens": 2,
+        "n": 2,
+        "response_format": {"type": "json_object"},
+        "prompt_logprobs": 1,
+    }
+    r = live_server.post("/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    want = r.json()["prompt_logprobs"]
+    assert want is not None and want[0] is None
+    chunks, _ = stream_raw(live_server, "/v1/chat/completions", {**body, "stream": True})
+    carrying = [k for k, c in enumerate(chunks) if "prompt_logprobs" in c]
+    assert len(carrying) == 1
+    k = carrying[0]
+    # Two engine calls batch differently from run to run: the fp32 values may move in
+    # their last bits (1e-6 seen), and with them the rank of a prompt token deep in the
+    # vocabulary (84766 vs 84767 seen); the entries' tokens and the best one do not.
+    got = chunks[k]["prompt_logprobs"]
+    assert len(got) == len(want) and got[0] is None
+    for g, w in zip(got[1:], want[1:], strict=True):
+        assert g.keys() == w.keys()
+        assert all(abs(g[t]["logprob"] - w[t]["logprob"]) < 1e-4 for t in w)
+        assert [t for t in g if g[t]["rank"] == 1] == [t for t in w if w[t]["rank"] == 1]
+    assert k == 0 or chunks[k]["choices"] == [], chunks[k]
+    roles = [c["choices"][0]["index"] for c in chunks[:3] if c["choices"]]
+    assert roles[:2] == [0, 1]  # the role chunks still come first, one per choice

@@ -13,12 +13,14 @@ import json
 from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass, field
 
+import pytest
 from fastapi.responses import Response
 from pydantic import BaseModel
 from test_generation import FakeEngine, _call, _ctx
 
 from engine.api.errors import EngineDeadError
 from engine.api.request import Request, RequestOutput
+from engine.api.sampling_params import StructuredOutputSpec
 from server.http.errors import APIError
 from server.openai.generation import ChoiceUpdate, Generation, ServingContext
 from server.openai.serving_base import CLIENT_CLOSED, EventFraming, ResponseBuilder, serve
@@ -190,5 +192,76 @@ def test_non_streamed_body_and_a_client_that_leaves() -> None:
         response = await _serve(ctx, [_call("b", 0, 0)], Echo(1), stream=False, http=gone)
         assert response.status_code == CLIENT_CLOSED
         assert waiting.abandoned == ["b"] and ctx.admission.active == 0
+
+    asyncio.run(main())
+
+
+SHUTTING_DOWN = ("service_unavailable_error", "The server is shutting down; retry the request")
+
+
+def _error_of(chunk: bytes, prefix: bytes) -> tuple[str, str]:
+    error = json.loads(chunk.removeprefix(prefix))["error"]
+    return error["type"], error["message"]
+
+
+def test_shutting_down_ends_each_open_request_in_its_own_framing() -> None:
+    """The server stops with three requests open: a stream of a framing of its own, an
+    OpenAI stream and a non-streamed one. Each ends with the same 503 as its framing
+    says it; the engine requests are aborted and a request that comes later is refused."""
+
+    async def main() -> None:
+        engine = FakeEngine()  # holds every stream after its first output
+        ctx = _fast(_ctx(engine))
+        named = await _serve(ctx, [_call("a", 0, 0)], Echo(1), stream=True, framing=NAMED)
+        openai = await _serve(ctx, [_call("b", 0, 0)], Echo(1), stream=True)
+        plain = asyncio.create_task(_serve(ctx, [_call("c", 0, 0)], Echo(1), stream=False))
+        sends = [asyncio.create_task(_send_all(r)) for r in (named, openai)]
+        await asyncio.sleep(0.05)  # each has had its first output
+        assert ctx.open_requests.shut_down() == 3
+        named_chunks, openai_chunks = await asyncio.gather(*sends)
+        with pytest.raises(APIError) as refused:
+            await plain
+        assert named_chunks[:2] == [b"event: start\ndata: {}\n\n", b"event: delta\ndata: 0:x\n\n"]
+        assert _error_of(named_chunks[-1], b"event: error\ndata: ") == SHUTTING_DOWN
+        assert b"data: [DONE]\n\n" not in named_chunks
+        assert openai_chunks[-1] == b"data: [DONE]\n\n"
+        assert _error_of(openai_chunks[-2], b"data: ") == SHUTTING_DOWN
+        for chunks in (named_chunks, openai_chunks):  # no closing events after a failure
+            assert not any(c.startswith(b"event: stop") for c in chunks)
+        assert (refused.value.status, refused.value.message) == (503, SHUTTING_DOWN[1])
+        assert sorted(engine.abandoned) == ["a", "b", "c"] and engine.finished == []
+        assert ctx.admission.active == 0 and not ctx.open_requests.generations
+        with pytest.raises(APIError) as later:
+            await _serve(ctx, [_call("d", 0, 0)], Echo(1), stream=True)
+        assert later.value.status == 503 and ctx.admission.active == 0
+
+    asyncio.run(main())
+
+
+class SilentEngine(FakeEngine):
+    """Never answers: a grammar that is still compiling when the server stops."""
+
+    async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
+        try:
+            await asyncio.Event().wait()
+            yield  # type: ignore[misc]  # never reached: an async generator
+        finally:
+            self.abandoned.append(request.request_id)
+
+
+def test_shutting_down_ends_a_request_still_waiting_for_its_grammar() -> None:
+    async def main() -> None:
+        engine = SilentEngine()
+        ctx = _fast(_ctx(engine))
+        calls = [_call("a", 0, 0), _call("b", 1, 0)]
+        for call in calls:
+            call.request.sampling_params.structured = StructuredOutputSpec(json_schema="{}")
+        served = asyncio.create_task(_serve(ctx, calls, Echo(2), stream=True))
+        await asyncio.sleep(0.05)
+        assert ctx.open_requests.shut_down() == 1
+        with pytest.raises(APIError) as refused:  # before the stream starts: a 503 reply
+            await served
+        assert refused.value.message == SHUTTING_DOWN[1]
+        assert sorted(engine.abandoned) == ["a", "b"] and ctx.admission.active == 0
 
     asyncio.run(main())
