@@ -201,6 +201,61 @@ def test_flashserve_commands_and_flags_exist(page: Page) -> None:
     _report(_flashserve_commands_and_flags_exist(page))
 
 
+def _default_of(flag: str) -> tuple[str, object] | None:
+    """(subcommand, default) of the first subcommand, serve first, that has ``flag``."""
+    subs = _subparsers()
+    for name in ("serve", *sorted(subs)):
+        action = subs[name]._option_string_actions.get(flag)
+        if action is not None:
+            return name, action.default
+    return None
+
+
+def _default_problem(flag: str, cell: str) -> str | None:
+    """A table's Default cell against the parser: numbers (``30 s``, ``262144``), ``off``,
+    a backticked word; anything else (``torch's``, ``1 2 4 ... --max-num-seqs``) is prose."""
+    found = _default_of(flag)
+    if found is None:
+        return None  # the flag check reports it
+    sub, default = found
+    number = re.fullmatch(r"`?(\d[\d,]*(?:\.\d+)?)`?(?: s)?", cell)
+    if number:
+        value = float(number.group(1).replace(",", ""))
+        ok = isinstance(default, int | float) and float(default) == value
+    elif cell == "off":
+        ok = default in (False, None)
+    elif re.fullmatch(r"`[\w.-]+`", cell):
+        ok = str(default) == cell.strip("`")
+    else:
+        return None
+    if ok:
+        return None
+    return f"`{flag}`: the table says the default is {cell}, `flashserve {sub}` has {default!r}"
+
+
+def _flag_table_defaults_match(page: Page) -> list[str]:
+    """Rows of a ``| Flag | Default | ... |`` table."""
+    problems = []
+    in_table = False
+    for number, line in enumerate(page.lines, 1):
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if not line.startswith("|"):
+            in_table = False
+        elif len(cells) >= 2 and cells[0].lower() == "flag" and cells[1].lower() == "default":
+            in_table = True
+        elif in_table and cells[0].startswith("`--"):
+            flag = cells[0].strip("`").split()[0].rstrip("`,")
+            problem = _default_problem(flag, cells[1])
+            if problem:
+                problems.append(f"{page.where(number)}: {problem}")
+    return problems
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_IDS)
+def test_flag_table_defaults_match(page: Page) -> None:
+    _report(_flag_table_defaults_match(page))
+
+
 # --- make TARGET ------------------------------------------------------------------------
 
 
@@ -500,6 +555,13 @@ make deploy-everything
 ```
 
 Bare `--worker-timeout` is a flag; `--not-a-flag-anywhere` is not.
+
+| Flag | Default | What |
+|---|---|---|
+| `--worker-timeout` | 90 s | stale |
+| `--enforce-eager` | off | true |
+| `--routing` | `nearest` | stale |
+
 See [the plan](deploy.md#no-such-heading) and [gone](nowhere.md).
 `engine/config.py:NoSuchConfig`, `engine/loader/builder.py` (`no_such_arg`),
 `engine/no_such_folder/`, `flashserve:no_such_metric_total`, fixed in issue 15 (#25, item 2).
@@ -512,6 +574,7 @@ def test_each_check_names_the_stale_line() -> None:
         problem
         for check in (
             _flashserve_commands_and_flags_exist,
+            _flag_table_defaults_match,
             _make_targets_exist,
             _relative_links_resolve,
             _python_names_resolve,
@@ -527,18 +590,23 @@ def test_each_check_names_the_stale_line() -> None:
         "docs/stale.md:6: `flashserve serve --routing nearest`: not one of",
         "docs/stale.md:8: `make deploy-everything`: no such Makefile target",
         "docs/stale.md:11: `--not-a-flag-anywhere`: not a flag of any flashserve subcommand",
-        "docs/stale.md:12: link (deploy.md#no-such-heading): docs/deploy.md has no heading",
-        "docs/stale.md:12: link (nowhere.md): nowhere.md does not exist",
-        "docs/stale.md:13: `engine/config.py:NoSuchConfig`: engine/config.py defines no top-level",
-        "docs/stale.md:13: `engine/loader/builder.py` (`no_such_arg`): engine/loader/builder.py "
+        "docs/stale.md:15: `--worker-timeout`: the table says the default is 90 s, "
+        "`flashserve serve` has 120.0",
+        "docs/stale.md:17: `--routing`: the table says the default is `nearest`, "
+        "`flashserve serve` has 'affinity'",
+        "docs/stale.md:19: link (deploy.md#no-such-heading): docs/deploy.md has no heading",
+        "docs/stale.md:19: link (nowhere.md): nowhere.md does not exist",
+        "docs/stale.md:20: `engine/config.py:NoSuchConfig`: engine/config.py defines no top-level",
+        "docs/stale.md:20: `engine/loader/builder.py` (`no_such_arg`): engine/loader/builder.py "
         "defines no `no_such_arg`",
-        "docs/stale.md:14: `engine/no_such_folder/`: no such file or folder",
-        "docs/stale.md:14: `flashserve:no_such_metric_total`: not a metric the server registers",
-        "docs/stale.md:14: 'issue 15'",
-        "docs/stale.md:14: '#25'",
-        "docs/stale.md:14: 'item 2'",
+        "docs/stale.md:21: `engine/no_such_folder/`: no such file or folder",
+        "docs/stale.md:21: `flashserve:no_such_metric_total`: not a metric the server registers",
+        "docs/stale.md:21: 'issue 15'",
+        "docs/stale.md:21: '#25'",
+        "docs/stale.md:21: 'item 2'",
     ]
     missing = [e for e in expected if e not in found]
     assert not missing, f"not reported: {missing}\nreported:\n{found}"
-    assert "--worker-timeout" not in found and "--kv-dir" not in found
+    assert "not a flag of any" not in found.replace("--not-a-flag-anywhere`: not a flag", "")
+    assert "--kv-dir" not in found and "--enforce-eager" not in found
     assert len(found.splitlines()) == len(expected), found
