@@ -163,14 +163,20 @@ def _bare_flag_problems(code: Code) -> Iterator[str]:
 
 
 _SCRIPT = re.compile(r"(?<![\w/.-])((?:bench|scripts|training)/[\w/-]+\.py)(.*)$")
+_MODULE = re.compile(r"(?<!\S)-m\s+((?:bench|scripts|training)(?:\.\w+)+)(.*)$")
 
 
 def _script_problems(code: Code) -> Iterator[str]:
-    """`bench/x.py --flag ...` in a block or span: a flag that script's parser adds."""
+    """`bench/x.py --flag ...` or `python -m training.x --flag` in a block or span: a flag
+    that script's parser adds."""
     m = _SCRIPT.search(code.text)
-    if not m:
+    module = _MODULE.search(code.text)
+    if m:
+        script, rest = m.group(1), m.group(2)
+    elif module:
+        script, rest = module.group(1).replace(".", "/") + ".py", module.group(2)
+    else:
         return
-    script, rest = m.group(1), m.group(2)
     if not (ROOT / script).is_file():
         yield f"`{script}`: no such file"
         return
@@ -436,24 +442,47 @@ _TOP_FOLDERS = frozenset(
 _OUTPUTS = ("bench/results/",)
 
 
-def _path_problem(page: Page, text: str) -> str | None:
-    m = _REPO_PATH.match(text)
-    if not m or m.group(1) not in _TOP_FOLDERS or text.startswith(_OUTPUTS):
-        return None
-    for base in (ROOT, page.path.parent):
-        if (base / text).exists() or ("*" in text and any(base.glob(text))):
-            return None
-    return f"`{text}`: no such file or folder in the repository"
+def _expand_braces(text: str) -> list[str]:
+    """`kernels/{a,b}.py` -> `kernels/a.py`, `kernels/b.py` (every group, shell-style)."""
+    m = re.search(r"\{([^{}]*)\}", text)
+    if not m:
+        return [text]
+    head, tail = text[: m.start()], text[m.end() :]
+    return [p for part in m.group(1).split(",") for p in _expand_braces(head + part + tail)]
+
+
+# A file named in running text: `bench/quality.py`, design/architecture.md, ../BENCHMARKS.md.
+_FILE = re.compile(
+    r"(?<![\w/.\[(-])((?:\.\./)*[\w.-]+(?:/[\w.*{},-]+)*\.(?:md|py|yaml|yml|json|sh|toml))\b"
+)
+
+
+def _path_problems(page: Page, text: str) -> Iterator[str]:
+    """A path under a folder of this repository must exist (from the root or the page);
+    a page (`kvstore.md`, design/api.md) must be one from the page's folder, the root or docs/."""
+    for path in _expand_braces(text):
+        m = _REPO_PATH.match(path)
+        if m and m.group(1) in _TOP_FOLDERS and not path.startswith(_OUTPUTS):
+            bases: tuple[Path, ...] = (ROOT, page.path.parent)
+        elif path.endswith(".md"):
+            bases = (page.path.parent, ROOT, ROOT / "docs")
+        else:
+            continue
+        if not any((b / path).exists() or ("*" in path and any(b.glob(path))) for b in bases):
+            shown = path if path == text else f"{path}, from {text}"
+            yield f"`{shown}`: no such file or folder in the repository"
 
 
 def _repository_paths_exist(page: Page) -> list[str]:
-    problems = []
-    for code in code_spans(page):
-        words = code.text.split()
-        problem = _path_problem(page, words[0]) if words else None
-        if problem:
-            problems.append(f"{page.where(code.line)}: {problem}")
-    return problems
+    named = [(code.line, (code.text.split() or [""])[0]) for code in code_spans(page)]
+    for number, line in enumerate(page.lines, 1):
+        named += [(number, m.group(1)) for m in _FILE.finditer(line)]
+    problems = {
+        f"{page.where(number)}: {problem}"
+        for number, text in named
+        for problem in _path_problems(page, text)
+    }
+    return sorted(problems, key=lambda p: int(p.split(":")[1]))
 
 
 @pytest.mark.parametrize("page", PAGES, ids=_IDS)
@@ -565,6 +594,8 @@ Bare `--worker-timeout` is a flag; `--not-a-flag-anywhere` is not.
 See [the plan](deploy.md#no-such-heading) and [gone](nowhere.md).
 `engine/config.py:NoSuchConfig`, `engine/loader/builder.py` (`no_such_arg`),
 `engine/no_such_folder/`, `flashserve:no_such_metric_total`, fixed in issue 15 (#25, item 2).
+`kernels/{dispatch,no_such_op}.py`, `python -m training.no_such_module --x`.
+As design/no-such-page.md and engine/core/no_such_step.py say.
 """
 
 
@@ -604,6 +635,10 @@ def test_each_check_names_the_stale_line() -> None:
         "docs/stale.md:21: 'issue 15'",
         "docs/stale.md:21: '#25'",
         "docs/stale.md:21: 'item 2'",
+        "docs/stale.md:22: `kernels/no_such_op.py, from kernels/{dispatch,no_such_op}.py`: no such",
+        "docs/stale.md:22: `training/no_such_module.py`: no such file",
+        "docs/stale.md:23: `design/no-such-page.md`: no such file or folder",
+        "docs/stale.md:23: `engine/core/no_such_step.py`: no such file or folder",
     ]
     missing = [e for e in expected if e not in found]
     assert not missing, f"not reported: {missing}\nreported:\n{found}"
