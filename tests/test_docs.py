@@ -538,6 +538,52 @@ def test_metric_names_are_registered(page: Page) -> None:
     _report(_metric_names_are_registered(page))
 
 
+# --- environment variables and alerts ---------------------------------------------------
+
+
+@cache
+def _code_text() -> str:
+    """What the code, scripts, images, manifests and tests say (not the docs, nor this file)."""
+    parts = []
+    for folder in ("flashserve", "server", "engine", "kvstore", "kernels", "training", "bench"):
+        parts += [p.read_text(encoding="utf-8") for p in (ROOT / folder).rglob("*.py")]
+    for folder in ("scripts", "docker", "deploy", "tests"):
+        parts += [
+            p.read_text(encoding="utf-8", errors="replace")
+            for p in (ROOT / folder).rglob("*")
+            if p.is_file() and p.suffix not in (".png", ".json") and p != Path(__file__)
+        ]
+    return "\n".join(parts)
+
+
+_ENV = re.compile(r"\bFLASHSERVE_[A-Z0-9_]*[A-Z0-9]\b")
+_ALERT = re.compile(r"\bFlashserve[A-Z]\w+")
+
+
+@cache
+def _alerts() -> frozenset[str]:
+    text = (ROOT / "deploy" / "prometheus" / "alerts.yaml").read_text()
+    return frozenset(re.findall(r"-\s*alert:\s*(\w+)", text))
+
+
+def _env_and_alerts_exist(page: Page) -> list[str]:
+    problems = []
+    for number, line in enumerate(page.lines, 1):
+        for name in _ENV.findall(line):
+            if name not in _code_text():
+                problems.append(f"{page.where(number)}: `{name}`: nothing in the code reads it")
+        for name in _ALERT.findall(line):
+            if name not in _alerts():
+                where = page.where(number)
+                problems.append(f"{where}: `{name}`: no such alert in deploy/prometheus/alerts.yaml")
+    return problems
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_IDS)
+def test_env_variables_and_alerts_exist(page: Page) -> None:
+    _report(_env_and_alerts_exist(page))
+
+
 # --- no tracker references --------------------------------------------------------------
 
 # `issue 17`, `issues 15 and 16`, `#25` (not `sglang#28653`, an upstream project's), `item 3`.
@@ -596,6 +642,7 @@ See [the plan](deploy.md#no-such-heading) and [gone](nowhere.md).
 `engine/no_such_folder/`, `flashserve:no_such_metric_total`, fixed in issue 15 (#25, item 2).
 `kernels/{dispatch,no_such_op}.py`, `python -m training.no_such_module --x`.
 As design/no-such-page.md and engine/core/no_such_step.py say.
+`FLASHSERVE_NO_SUCH_SETTING=1` raises FlashserveNoSuchAlert; `FLASHSERVE_API_KEYS` is real.
 """
 
 
@@ -611,6 +658,7 @@ def test_each_check_names_the_stale_line() -> None:
             _python_names_resolve,
             _repository_paths_exist,
             _metric_names_are_registered,
+            _env_and_alerts_exist,
             _no_issue_tracker_references,
         )
         for problem in check(page)
@@ -639,6 +687,8 @@ def test_each_check_names_the_stale_line() -> None:
         "docs/stale.md:22: `training/no_such_module.py`: no such file",
         "docs/stale.md:23: `design/no-such-page.md`: no such file or folder",
         "docs/stale.md:23: `engine/core/no_such_step.py`: no such file or folder",
+        "docs/stale.md:24: `FLASHSERVE_NO_SUCH_SETTING`: nothing in the code reads it",
+        "docs/stale.md:24: `FlashserveNoSuchAlert`: no such alert",
     ]
     missing = [e for e in expected if e not in found]
     assert not missing, f"not reported: {missing}\nreported:\n{found}"
