@@ -558,11 +558,12 @@ def _code_text() -> str:
 
 _ENV = re.compile(r"\bFLASHSERVE_[A-Z0-9_]*[A-Z0-9]\b")
 _ALERT = re.compile(r"\bFlashserve[A-Z]\w+")
+_ALERTS_FILE = "deploy/prometheus/alerts.yaml"
 
 
 @cache
 def _alerts() -> frozenset[str]:
-    text = (ROOT / "deploy" / "prometheus" / "alerts.yaml").read_text()
+    text = (ROOT / _ALERTS_FILE).read_text()
     return frozenset(re.findall(r"-\s*alert:\s*(\w+)", text))
 
 
@@ -575,7 +576,7 @@ def _env_and_alerts_exist(page: Page) -> list[str]:
         for name in _ALERT.findall(line):
             if name not in _alerts():
                 where = page.where(number)
-                problems.append(f"{where}: `{name}`: no such alert in deploy/prometheus/alerts.yaml")
+                problems.append(f"{where}: `{name}`: no such alert in {_ALERTS_FILE}")
     return problems
 
 
