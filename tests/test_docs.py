@@ -5,15 +5,22 @@ must still exist. Checked here, from the code itself, without starting a server:
 
 - every ``flashserve SUBCOMMAND --flag`` in a code span or block is a flag of that
   subcommand's parser (``flashserve.cli.build_parser``), a value given to a flag
-  with choices is one of them, and a bare ``--flag`` span is a flag of some
-  subcommand (the README's tables name flags that way);
+  with choices is one of them, a bare ``--flag`` span is a flag of some
+  subcommand or repository script, a ``bench/x.py --flag`` (or ``python -m
+  training.x --flag``) one that script adds, and a ``| Flag | Default |`` table
+  row says the parser's default;
 - every ``make TARGET`` is a target of the Makefile;
-- every relative link resolves to a file (and its ``#anchor`` to a heading), and
-  every ``path.py:Name`` to a file defining ``Name`` at top level;
-- every ``flashserve:`` / ``vllm:`` metric name is one the server registers;
+- every relative link resolves to a file (and its ``#anchor`` to a heading);
+  every ``path.py:Name``, ```path.py` (`Name`)`` and ``engine.module.Name``
+  names something defined there; every repository path (``kernels/{a,b}.py``
+  expanded) and every page named in the text exists;
+- every ``flashserve:`` / ``vllm:`` metric name is one the server registers,
+  every ``FLASHSERVE_*`` variable is read somewhere, every ``Flashserve*`` alert
+  is in the alert rules;
 - no page cites the issue tracker (``issue N``, ``#N``, ``item N``): a reader has none.
 
 Each failure names the page and line: ``docs/deploy.md:212: ...``.
+`test_each_check_names_the_stale_line` feeds every check a page of stale lines.
 """
 
 from __future__ import annotations
@@ -433,6 +440,53 @@ def test_python_names_resolve(page: Page) -> None:
     _report(_python_names_resolve(page))
 
 
+# `engine.api.errors.RequestError`, `engine.planning.accounting.param_shapes`: a module of
+# this repository, then names in it.
+_DOTTED = re.compile(
+    r"^((?:engine|server|kvstore|kernels|flashserve|training|bench)(?:\.[A-Za-z_]\w*)+)(?:\(.*\))?$"
+)
+
+
+def _module_of(parts: list[str]) -> tuple[Path, list[str]] | None:
+    """The longest module prefix of ``parts`` below a top-level package, and the rest."""
+    for i in range(len(parts), 1, -1):
+        base = ROOT.joinpath(*parts[:i])
+        for path in (base.with_suffix(".py"), base / "__init__.py"):
+            if path.is_file():
+                return path, parts[i:]
+    return None
+
+
+def _dotted_problem(text: str) -> str | None:
+    m = _DOTTED.match(text)
+    if not m:
+        return None
+    parts = m.group(1).split(".")
+    found = _module_of(parts)
+    if found is None:
+        # `engine.generate(...)`: a variable named like a package, not a module path.
+        return None if len(parts) == 2 else f"`{m.group(1)}`: no such module in the repository"
+    path, names = found
+    missing = [n for n in names if n not in _anywhere(path)]
+    if missing:
+        return f"`{m.group(1)}`: {path.relative_to(ROOT)} defines no `{missing[0]}`"
+    return None
+
+
+def _dotted_names_resolve(page: Page) -> list[str]:
+    problems = []
+    for code in code_spans(page):
+        problem = _dotted_problem(code.text)
+        if problem:
+            problems.append(f"{page.where(code.line)}: {problem}")
+    return problems
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_IDS)
+def test_dotted_names_resolve(page: Page) -> None:
+    _report(_dotted_names_resolve(page))
+
+
 # Folders of this repository: a backticked path under one of them must exist.
 _REPO_PATH = re.compile(r"^([\w.-]+)(?:/[\w.*-]+)+/?$")
 _TOP_FOLDERS = frozenset(
@@ -644,6 +698,7 @@ See [the plan](deploy.md#no-such-heading) and [gone](nowhere.md).
 `kernels/{dispatch,no_such_op}.py`, `python -m training.no_such_module --x`.
 As design/no-such-page.md and engine/core/no_such_step.py say.
 `FLASHSERVE_NO_SUCH_SETTING=1` raises FlashserveNoSuchAlert; `FLASHSERVE_API_KEYS` is real.
+`engine.api.errors.NoSuchError`, `engine.no_such.module.Thing`, `engine.generate(request)`.
 """
 
 
@@ -657,6 +712,7 @@ def test_each_check_names_the_stale_line() -> None:
             _make_targets_exist,
             _relative_links_resolve,
             _python_names_resolve,
+            _dotted_names_resolve,
             _repository_paths_exist,
             _metric_names_are_registered,
             _env_and_alerts_exist,
@@ -690,6 +746,8 @@ def test_each_check_names_the_stale_line() -> None:
         "docs/stale.md:23: `engine/core/no_such_step.py`: no such file or folder",
         "docs/stale.md:24: `FLASHSERVE_NO_SUCH_SETTING`: nothing in the code reads it",
         "docs/stale.md:24: `FlashserveNoSuchAlert`: no such alert",
+        "docs/stale.md:25: `engine.api.errors.NoSuchError`: engine/api/errors.py defines no",
+        "docs/stale.md:25: `engine.no_such.module.Thing`: no such module",
     ]
     missing = [e for e in expected if e not in found]
     assert not missing, f"not reported: {missing}\nreported:\n{found}"
