@@ -14,7 +14,7 @@
 # and no --model or --kv-dir (it loads no model).
 # Arguments starting with "-" are appended as further `serve` flags
 # (docker run IMAGE --max-num-seqs 8); any other command runs as given
-# (docker run IMAGE flashserve inspect --model tiny).
+# (docker run IMAGE flashserve inspect tiny).
 set -eu
 
 if [ "$#" -gt 0 ] && [ "${1#-}" = "$1" ]; then
