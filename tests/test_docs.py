@@ -30,7 +30,7 @@ import ast
 import fnmatch
 import re
 import shlex
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import cache
 from pathlib import Path
 
@@ -209,11 +209,6 @@ def _flashserve_commands_and_flags_exist(page: Page) -> list[str]:
     return problems
 
 
-@pytest.mark.parametrize("page", PAGES, ids=_IDS)
-def test_flashserve_commands_and_flags_exist(page: Page) -> None:
-    _report(_flashserve_commands_and_flags_exist(page))
-
-
 def _default_of(flag: str) -> tuple[str, object] | None:
     """(subcommand, default) of the first subcommand, serve first, that has ``flag``."""
     subs = _subparsers()
@@ -264,11 +259,6 @@ def _flag_table_defaults_match(page: Page) -> list[str]:
     return problems
 
 
-@pytest.mark.parametrize("page", PAGES, ids=_IDS)
-def test_flag_table_defaults_match(page: Page) -> None:
-    _report(_flag_table_defaults_match(page))
-
-
 # --- make TARGET ------------------------------------------------------------------------
 
 
@@ -297,11 +287,6 @@ def _make_problems(code: Code) -> Iterator[str]:
 
 def _make_targets_exist(page: Page) -> list[str]:
     return [f"{page.where(c.line)}: {p}" for c in _code(page) for p in _make_problems(c)]
-
-
-@pytest.mark.parametrize("page", PAGES, ids=_IDS)
-def test_make_targets_exist(page: Page) -> None:
-    _report(_make_targets_exist(page))
 
 
 # --- links and path.py:Name -------------------------------------------------------------
@@ -334,11 +319,6 @@ def _relative_links_resolve(page: Page) -> list[str]:
         if problem:
             problems.append(f"{page.where(line)}: {problem}")
     return problems
-
-
-@pytest.mark.parametrize("page", PAGES, ids=_IDS)
-def test_relative_links_resolve(page: Page) -> None:
-    _report(_relative_links_resolve(page))
 
 
 # `engine/config.py:EngineConfig`, `server/app.py` `chat_completions`, and
@@ -435,11 +415,6 @@ def _python_names_resolve(page: Page) -> list[str]:
     return problems
 
 
-@pytest.mark.parametrize("page", PAGES, ids=_IDS)
-def test_python_names_resolve(page: Page) -> None:
-    _report(_python_names_resolve(page))
-
-
 # `engine.api.errors.RequestError`, `engine.planning.accounting.param_shapes`: a module of
 # this repository, then names in it.
 _DOTTED = re.compile(
@@ -480,11 +455,6 @@ def _dotted_names_resolve(page: Page) -> list[str]:
         if problem:
             problems.append(f"{page.where(code.line)}: {problem}")
     return problems
-
-
-@pytest.mark.parametrize("page", PAGES, ids=_IDS)
-def test_dotted_names_resolve(page: Page) -> None:
-    _report(_dotted_names_resolve(page))
 
 
 # Folders of this repository: a backticked path under one of them must exist.
@@ -539,11 +509,6 @@ def _repository_paths_exist(page: Page) -> list[str]:
     return sorted(problems, key=lambda p: int(p.split(":")[1]))
 
 
-@pytest.mark.parametrize("page", PAGES, ids=_IDS)
-def test_repository_paths_exist(page: Page) -> None:
-    _report(_repository_paths_exist(page))
-
-
 # --- metric names -----------------------------------------------------------------------
 
 
@@ -585,11 +550,6 @@ def _metric_names_are_registered(page: Page) -> list[str]:
             if problem:
                 problems.append(f"{page.where(number)}: {problem}")
     return problems
-
-
-@pytest.mark.parametrize("page", PAGES, ids=_IDS)
-def test_metric_names_are_registered(page: Page) -> None:
-    _report(_metric_names_are_registered(page))
 
 
 # --- environment variables and alerts ---------------------------------------------------
@@ -634,11 +594,6 @@ def _env_and_alerts_exist(page: Page) -> list[str]:
     return problems
 
 
-@pytest.mark.parametrize("page", PAGES, ids=_IDS)
-def test_env_variables_and_alerts_exist(page: Page) -> None:
-    _report(_env_and_alerts_exist(page))
-
-
 # --- no tracker references --------------------------------------------------------------
 
 # `issue 17`, `issues 15 and 16`, `#25` (not `sglang#28653`, an upstream project's), `item 3`.
@@ -655,9 +610,25 @@ def _no_issue_tracker_references(page: Page) -> list[str]:
     return problems
 
 
+# Every check, run on every page (and on the stale page below).
+CHECKS = (
+    _flashserve_commands_and_flags_exist,
+    _flag_table_defaults_match,
+    _make_targets_exist,
+    _relative_links_resolve,
+    _python_names_resolve,
+    _dotted_names_resolve,
+    _repository_paths_exist,
+    _metric_names_are_registered,
+    _env_and_alerts_exist,
+    _no_issue_tracker_references,
+)
+
+
 @pytest.mark.parametrize("page", PAGES, ids=_IDS)
-def test_no_issue_tracker_references(page: Page) -> None:
-    _report(_no_issue_tracker_references(page))
+@pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__.lstrip("_"))
+def test_page(check: Callable[[Page], list[str]], page: Page) -> None:
+    _report(check(page))
 
 
 def test_the_checks_see_the_pages() -> None:
@@ -704,22 +675,7 @@ As design/no-such-page.md and engine/core/no_such_step.py say.
 
 def test_each_check_names_the_stale_line() -> None:
     page = Page(ROOT / "docs" / "stale.md", _STALE_PAGE.splitlines())
-    found = "\n".join(
-        problem
-        for check in (
-            _flashserve_commands_and_flags_exist,
-            _flag_table_defaults_match,
-            _make_targets_exist,
-            _relative_links_resolve,
-            _python_names_resolve,
-            _dotted_names_resolve,
-            _repository_paths_exist,
-            _metric_names_are_registered,
-            _env_and_alerts_exist,
-            _no_issue_tracker_references,
-        )
-        for problem in check(page)
-    )
+    found = "\n".join(problem for check in CHECKS for problem in check(page))
     expected = [
         "docs/stale.md:3: `flashserve serve --no-such-flag`: `flashserve serve` has no such flag",
         "docs/stale.md:3: `flashserve frobnicate`: no such subcommand",
