@@ -47,13 +47,13 @@ from server.anthropic.protocol import (
 )
 from server.anthropic.translate import to_chat_request
 from server.chat.chat_output import ChatOutputParser, ChatPiece
+from server.chat.chat_plan import ChatPlan, plan_chat
 from server.http.errors import APIError
 from server.http.sse import KEEP_ALIVE
 from server.openai.generation import ChoiceUpdate, Generation, ServingContext
 from server.openai.protocol import Usage as ChatUsage
 from server.openai.sampling import check_fan_out
 from server.openai.serving_base import EventFraming, ResponseBuilder, serve
-from server.openai.serving_chat import ChatPlan, plan_chat
 
 _SIGNATURE_PERSON = b"fs-thinking-v1"
 

@@ -1,7 +1,7 @@
 """A Messages request -> the chat request the OpenAI path plans (one internal request type).
 
 Nothing here samples, renders a prompt or builds a grammar: the Messages API is
-a second spelling of a chat request, and ``plan_chat`` (server/openai/serving_chat.py)
+a second spelling of a chat request, and ``plan_chat`` (server/chat/chat_plan.py)
 plans both, so sampling, tool calls, reasoning and forced-call grammars are one
 code path. What each Anthropic field becomes:
 
