@@ -2,7 +2,8 @@
 
 ``create_app(engine, settings)`` is the whole HTTP surface of a server with an
 engine; ``flashserve serve`` runs it under uvicorn. Routes are thin: chat and
-completions live in ``serving_chat`` and ``serving_completions``. A prefill
+completions live in ``serving_chat`` and ``serving_completions``, the Messages
+API in ``server/anthropic/``. A prefill
 worker (``settings.role == "prefill"``) serves ``prefill_worker``'s internal
 routes instead of the API; a router has no engine and its own app
 (``server/disagg/router.py``). Every failure, including
@@ -26,6 +27,8 @@ from fastapi import Request as HttpRequest
 from fastapi.responses import Response
 
 from engine.api.protocol import EngineClient
+from server.anthropic.errors import ANTHROPIC_ERRORS
+from server.anthropic.routes import add_messages_routes
 from server.disagg.prefill_worker import add_prefill_routes
 from server.http.auth import api_key_dependency
 from server.http.body_limit import BodySizeLimit
@@ -102,13 +105,16 @@ def create_app(engine: EngineClient, settings: ServerSettings | None = None) -> 
         redoc_url=None,
     )
     app.state.serving = ctx
-    install_error_handlers(app)
+    # Each API's paths get its error shape (the Messages API's own; else OpenAI's).
+    shapes = (ANTHROPIC_ERRORS,)
+    install_error_handlers(app, shapes)
     app.add_middleware(
         BodySizeLimit,
         max_bytes=settings.max_body_bytes,
         read_timeout_s=settings.body_read_timeout_s,
+        shapes=shapes,
     )
-    app.add_middleware(QuietCancel)  # added last: the outermost of ours
+    app.add_middleware(QuietCancel, shapes=shapes)  # added last: the outermost of ours
     auth = api_key_dependency(settings.api_keys)
     add_docs_routes(app, auth)
     if settings.role == "prefill":
@@ -147,7 +153,8 @@ def end_open_requests(app: FastAPI) -> int:
 
 
 def _add_api_routes(app: FastAPI, ctx: ServingContext, auth: Callable[..., Any]) -> None:
-    """The OpenAI/DeepSeek API: chat, completions, FIM and models."""
+    """The OpenAI/DeepSeek API (chat, completions, FIM and models) and the Anthropic
+    Messages API (server/anthropic/)."""
     settings = ctx.settings
 
     async def chat_completions(
@@ -202,3 +209,4 @@ def _add_api_routes(app: FastAPI, ctx: ServingContext, auth: Callable[..., Any])
         )
 
     add_model_routes(app, settings.served_model_name, auth, _ERRORS)
+    add_messages_routes(app, ctx)

@@ -10,11 +10,18 @@ responses, so both say the same thing.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.api.request import CompletionOutput
 from server.chat.reasoning import ReasoningParser
-from server.chat.tool_calls import ParseDelta, ToolCallDelta, ToolCallParser
+from server.chat.tool_calls import (
+    ParseDelta,
+    ParsedToolCall,
+    ToolCallDelta,
+    ToolCallParser,
+    new_call_id,
+)
 from server.openai.logprobs import TokenTexts
 from server.openai.protocol import (
     ChatDelta,
@@ -84,12 +91,14 @@ class ChatOutputParser:
         think_end_id: int | None,
         token_texts: TokenTexts | None = None,
         forced_calls: bool = False,
+        call_id: Callable[[], str] = new_call_id,
     ) -> None:
         """``token_texts``: set when the request asked for logprobs. ``forced_calls``: a
         grammar makes the answer one calls block (``tool_choice`` required or named), so
-        it carries no content, even when ``max_tokens`` cuts the block short."""
+        it carries no content, even when ``max_tokens`` cuts the block short.
+        ``call_id``: makes each call's id (each API has its own prefix)."""
         self._reasoning = ReasoningParser() if starts_in_reasoning else None
-        self._tools = ToolCallParser(forced=forced_calls) if parse_tools else None
+        self._tools = ToolCallParser(call_id, forced=forced_calls) if parse_tools else None
         self._forced_calls = forced_calls
         self._think_end_id = think_end_id
         self._texts = token_texts
@@ -169,9 +178,14 @@ class ChatOutputParser:
             return "tool_calls"
         return "stop"
 
+    @property
+    def calls(self) -> list[ParsedToolCall]:
+        """The tool calls so far (a call cut by ``max_tokens`` with its partial arguments)."""
+        return self._tools.tool_calls if self._tools is not None else []
+
     def message(self, thinking: bool) -> ResponseMessage:
         """The whole ``message`` of a non-streamed choice."""
-        calls = self._tools.tool_calls if self._tools is not None else []
+        calls = self.calls
         tool_calls = [
             ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments))
             for c in calls

@@ -26,12 +26,12 @@ from engine.api.errors import RequestError
 from engine.api.protocol import PrefillResult
 from engine.api.request import Request
 from engine.api.sampling_params import SamplingParams
+from server.chat.chat_plan import plan_chat
 from server.http.auth import tenant_salt
 from server.http.errors import from_engine_error, unavailable
 from server.openai.generation import ClientGone, ServingContext
 from server.openai.protocol import ChatCompletionRequest, CompletionRequest
 from server.openai.serving_base import CLIENT_CLOSED
-from server.openai.serving_chat import plan_chat
 from server.openai.serving_completions import completion_prompt_ids
 
 

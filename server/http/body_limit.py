@@ -14,17 +14,26 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Sequence
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from server.http.error_shapes import ErrorShape, render_error
 from server.http.errors import APIError, request_too_large
 
 
 class BodySizeLimit:
-    def __init__(self, app: ASGIApp, max_bytes: int, read_timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        max_bytes: int,
+        read_timeout_s: float | None = None,
+        shapes: Sequence[ErrorShape] = (),
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.read_timeout_s = read_timeout_s
+        self.shapes = tuple(shapes)  # the error shape of each API's paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -32,7 +41,7 @@ class BodySizeLimit:
             return
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self._refuse(send, request_too_large(self.max_bytes))
+            await self._refuse(scope, send, request_too_large(self.max_bytes))
             return
         messages: list[Message] = []
         size = 0
@@ -43,14 +52,15 @@ class BodySizeLimit:
                 wait = None if deadline is None else max(0.0, deadline - loop.time())
                 message = await asyncio.wait_for(receive(), wait)
             except TimeoutError:
-                await self._refuse(send, APIError(408, "The request body was not received in time"))
+                late = APIError(408, "The request body was not received in time")
+                await self._refuse(scope, send, late)
                 return
             messages.append(message)
             if message["type"] != "http.request":
                 break  # the client left mid-body: let the app see it
             size += len(message.get("body", b""))
             if size > self.max_bytes:
-                await self._refuse(send, request_too_large(self.max_bytes))
+                await self._refuse(scope, send, request_too_large(self.max_bytes))
                 return
             if not message.get("more_body", False):
                 break
@@ -60,12 +70,13 @@ class BodySizeLimit:
 
         await self.app(scope, replay, send)
 
-    async def _refuse(self, send: Send, error: APIError) -> None:
-        body = json.dumps(error.body()).encode()
+    async def _refuse(self, scope: Scope, send: Send, error: APIError) -> None:
+        status, payload = render_error(error, scope.get("path", ""), self.shapes)
+        body = json.dumps(payload).encode()
         await send(
             {
                 "type": "http.response.start",
-                "status": error.status,
+                "status": status,
                 "headers": [
                     (b"content-type", b"application/json"),
                     (b"content-length", str(len(body)).encode()),

@@ -6,7 +6,7 @@ app (``server/app.py``) and the router (``server/disagg/router.py``) install the
 """
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from fastapi import FastAPI
 from fastapi import Request as HttpRequest
@@ -14,38 +14,43 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from server.http.error_shapes import ErrorShape, render_error
 from server.http.errors import APIError, from_validation_errors, server_error
 
 logger = logging.getLogger(__name__)
 
 
-def install_error_handlers(app: FastAPI) -> None:
-    """Every failure leaves as ``{"error": {...}}`` (the router's app uses them too)."""
+def install_error_handlers(app: FastAPI, shapes: Sequence[ErrorShape] = ()) -> None:
+    """Every failure leaves as ``{"error": {...}}`` (the router's app uses them too), or
+    in the shape of the API whose path it was (``shapes``)."""
 
-    def reply(error: APIError, headers: Mapping[str, str] | None = None) -> JSONResponse:
-        return JSONResponse(error.body(), status_code=error.status, headers=headers)
+    def reply(
+        request: HttpRequest, error: APIError, headers: Mapping[str, str] | None = None
+    ) -> JSONResponse:
+        status, body = render_error(error, request.url.path, shapes)
+        return JSONResponse(body, status_code=status, headers=headers)
 
-    async def api_error(_: HttpRequest, exc: Exception) -> JSONResponse:
+    async def api_error(request: HttpRequest, exc: Exception) -> JSONResponse:
         assert isinstance(exc, APIError)
-        return reply(exc)
+        return reply(request, exc)
 
-    async def validation_error(_: HttpRequest, exc: Exception) -> JSONResponse:
+    async def validation_error(request: HttpRequest, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
-        return reply(from_validation_errors(exc.errors()))
+        return reply(request, from_validation_errors(exc.errors()))
 
-    async def http_error(_: HttpRequest, exc: Exception) -> JSONResponse:
+    async def http_error(request: HttpRequest, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
-        return reply(APIError(exc.status_code, str(exc.detail)), exc.headers)
+        return reply(request, APIError(exc.status_code, str(exc.detail)), exc.headers)
 
     async def too_deep(request: HttpRequest, exc: Exception) -> JSONResponse:
         # A value nested past what a parser or renderer recurses through; the input's
         # fault, not the server's (the request checks bound depth, this is the backstop).
         logger.warning("recursion limit on %s %s", request.method, request.url.path)
-        return reply(APIError(400, "The request nests values too deeply"))
+        return reply(request, APIError(400, "The request nests values too deeply"))
 
     async def unexpected(request: HttpRequest, exc: Exception) -> JSONResponse:
         logger.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-        return reply(server_error())
+        return reply(request, server_error())
 
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(RequestValidationError, validation_error)

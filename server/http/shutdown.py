@@ -17,17 +17,20 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Sequence
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from server.http.error_shapes import ErrorShape, render_error
 from server.http.errors import shutting_down
 
 logger = logging.getLogger(__name__)
 
 
 class QuietCancel:
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, shapes: Sequence[ErrorShape] = ()) -> None:
         self.app = app
+        self.shapes = tuple(shapes)  # the error shape of each API's paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -52,16 +55,16 @@ class QuietCancel:
                 "%s %s cancelled: the server is stopping", scope.get("method"), scope.get("path")
             )
             if not started:
-                await _reply(send)
+                await _reply(send, scope.get("path", ""), self.shapes)
 
 
-async def _reply(send: Send) -> None:
-    error = shutting_down()
-    body = json.dumps(error.body()).encode()
+async def _reply(send: Send, path: str, shapes: Sequence[ErrorShape]) -> None:
+    status, payload = render_error(shutting_down(), path, shapes)
+    body = json.dumps(payload).encode()
     headers = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),
         (b"connection", b"close"),
     ]
-    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})

@@ -43,10 +43,10 @@ class _Engine:
 def test_chat_requests_without_max_tokens_get_the_default(body: dict, expected: int) -> None:
     """Through ``plan_chat``: the engine request's budget."""
     from engine.loader.tokenizer import load_tokenizer
+    from server.chat.chat_plan import plan_chat
     from server.metrics.metrics import ServerMetrics
     from server.openai.generation import ServingContext
     from server.openai.protocol import ChatCompletionRequest
-    from server.openai.serving_chat import plan_chat
     from server.settings import ServerSettings
 
     tokenizer = load_tokenizer()

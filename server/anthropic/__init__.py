@@ -1,0 +1,1 @@
+"""The Anthropic Messages API (as DeepSeek serves it at ``/anthropic``) over the chat planner."""
