@@ -257,6 +257,7 @@ async function send() {
   if (!continuing) addUser(text);
   ui.prompt.value = "";
   const view = answerView();
+  view.block.setAttribute("aria-busy", "true"); // screen readers read it once it is done
   const controller = new AbortController();
   const request = { controller, discard: false };
   inFlight = request;
@@ -321,6 +322,7 @@ async function send() {
     }
     if ((answer.content || answer.tool_calls) && !request.discard) messages.push(answer);
     showStats(view, stats);
+    view.block.removeAttribute("aria-busy");
     inFlight = null;
     ui.send.disabled = false;
     ui.stop.disabled = true;

@@ -17,6 +17,7 @@ downloads are never used).
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import time
 import uuid
@@ -206,6 +207,28 @@ def test_page_loads_from_this_server_only(tab: Tab, server: LiveServer) -> None:
     assert page.evaluate("sessionStorage.getItem('flashserve.apiKey')") == KEY
     assert page.evaluate("localStorage.length") == 0
     assert page.context.cookies() == []
+    # Tab walks the controls in reading order: the message, its buttons (Stop is off
+    # while nothing runs), then the settings top to bottom.
+    page.get_by_label("Message").focus()
+    order = []
+    for _ in range(13):
+        order.append(page.evaluate("document.activeElement.id"))
+        page.keyboard.press("Tab")
+    assert order == [
+        "prompt",
+        "send",
+        "clear",
+        "model",
+        "api-key",
+        "thinking",
+        "temperature",
+        "top-p",
+        "max-tokens",
+        "system",
+        "json-mode",
+        "json-schema",
+        "tools",
+    ]
     paths = sorted({urlsplit(u).path for u in tab.requests})
     assert paths == ["/", "/playground/app.js", "/playground/style.css", "/v1/models"]
     tab.shot("loaded")
@@ -256,7 +279,7 @@ def test_stop_aborts_the_request_on_the_server(tab: Tab, server: LiveServer) -> 
     tab.settings({"Max tokens": "900"})
     aborts = _sample(server, "flashserve:request_success_total", finished_reason="abort")
     tab.send("Tell me a long story")
-    tab.answer().locator(".content").filter(has_text=" ").wait_for(timeout=WAIT_MS)
+    tab.answer().locator(".content").filter(has_text=re.compile(".")).wait_for(timeout=WAIT_MS)
     assert _sample(server, "flashserve:num_requests_running") == 1
     tab.page.get_by_role("button", name="Stop").click()
     tab.finished()
