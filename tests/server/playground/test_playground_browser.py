@@ -62,6 +62,10 @@ def server(tiny_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     args = ["--model", "tiny", "--api-key", KEY, "--max-model-len", "1024"]
     args += ["--page-tokens", str(PAGE_TOKENS), "--kv-cache-bytes", str(12 << 20)]
     args += ["--quantization", "none", "--prices", ",".join(map(str, PRICES))]
+    # The engine core in the API process: it starts in a few seconds where a core process
+    # of its own takes several times that on a busy two-core machine. The page reaches it
+    # through the same HTTP routes and the same abort-on-disconnect either way.
+    args += ["--in-process-engine"]
     live = spawn_server(tiny_cache, tmp / "server.log", args)
     wait_ready(live)
     try:
