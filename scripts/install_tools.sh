@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# System tools that `make lint-deploy` needs and PyPI does not ship, from Debian:
+# System tools that `make lint-deploy` and the browser tests need and PyPI does not ship,
+# from Debian:
 #   promtool        (package prometheus)      alert rules, rule unit tests, metrics lint
 #   docker-compose  (package docker-compose)  compose file validation, no engine needed
+#   chromium        (package chromium)        the playground's browser tests (Playwright
+#                                             drives it; its own browser downloads are not used)
 # Idempotent: installs only what is missing. With --if-possible, a machine where
 # it cannot install (not root, no apt-get) gets a warning instead of an error, so
 # `make setup` still works there; lint-deploy then names what is missing.
@@ -15,6 +18,7 @@ optional=false
 packages=()
 command -v promtool >/dev/null 2>&1 || packages+=(prometheus)
 command -v docker-compose >/dev/null 2>&1 || packages+=(docker-compose)
+[ -x /usr/bin/chromium ] || packages+=(chromium)
 [ "${#packages[@]}" -eq 0 ] && exit 0
 
 fail() {

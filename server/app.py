@@ -50,6 +50,7 @@ from server.openai.protocol import (
 )
 from server.openai.serving_chat import create_chat_completion
 from server.openai.serving_completions import create_completion
+from server.playground.routes import add_playground_routes
 from server.settings import ServerSettings
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
@@ -153,8 +154,8 @@ def end_open_requests(app: FastAPI) -> int:
 
 
 def _add_api_routes(app: FastAPI, ctx: ServingContext, auth: Callable[..., Any]) -> None:
-    """The OpenAI/DeepSeek API (chat, completions, FIM and models) and the Anthropic
-    Messages API (server/anthropic/)."""
+    """The OpenAI/DeepSeek API (chat, completions, FIM and models), the Anthropic
+    Messages API (server/anthropic/) and the playground at ``/``."""
     settings = ctx.settings
 
     async def chat_completions(
@@ -210,3 +211,4 @@ def _add_api_routes(app: FastAPI, ctx: ServingContext, auth: Callable[..., Any])
 
     add_model_routes(app, settings.served_model_name, auth, _ERRORS)
     add_messages_routes(app, ctx)
+    add_playground_routes(app, enabled=settings.playground)

@@ -180,6 +180,16 @@ class ServerSettings:
         },
     )
 
+    # The chat page at / (server/playground/); off: / answers only its JSON index.
+    playground: bool = field(
+        default=True,
+        metadata={
+            "group": "http",
+            "flag": "--no-playground",
+            "help": "no chat page at / (it then answers only a JSON index of the API)",
+        },
+    )
+
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1:
             raise ValueError("ServerSettings.max_body_bytes must be >= 1")

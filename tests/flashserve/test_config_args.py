@@ -52,6 +52,8 @@ OPTIONS = " ".join(
         "--cuda-graph-sizes --seed --tensor-parallel-size --data-parallel-size",
         "--enable-expert-parallel --nnodes --node-rank --master-addr --master-port",
         "--worker-timeout --worker-threads",
+        # Added since: the chat page at / (server/playground/).
+        "--no-playground",
     )
 ).split()
 
@@ -108,6 +110,7 @@ SERVER_DEFAULTS = {
     "body_read_timeout_s": 60.0,
     "prices": None,
     "vllm_metric_aliases": False,
+    "playground": True,
 }
 
 # With the two URLs a router cannot go without.
@@ -275,6 +278,7 @@ def test_http_flags_and_api_key_alias() -> None:
         *("--max-body-bytes", "1000", "--keep-alive-seconds", "2.5"),
         *("--max-concurrent-requests", "9", "--default-max-tokens", "64"),
         "--vllm-metric-aliases",
+        "--no-playground",
     )
     assert _settings(*argv) == {
         **SERVER_DEFAULTS,
@@ -285,6 +289,7 @@ def test_http_flags_and_api_key_alias() -> None:
         "max_concurrent_requests": 9,
         "default_max_tokens": 64,
         "vllm_metric_aliases": True,
+        "playground": False,
     }
     env = {"FLASHSERVE_API_KEYS": "k3,k1"}
     settings = serve_cmd.server_settings(_args("--api-key", "k1"), "fp", env=env)
