@@ -19,7 +19,8 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
-# System tools for lint-deploy (promtool, docker-compose), from Debian, when missing.
+# System tools from Debian, when missing: promtool and docker-compose for lint-deploy,
+# chromium for the playground's browser tests (scripts/install_tools.sh).
 setup: $(STAMP)
 	@scripts/install_tools.sh --if-possible
 
