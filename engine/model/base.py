@@ -68,5 +68,7 @@ class CausalLM(nn.Module, ABC):
         input_ids: torch.Tensor,
         kv: KVBackend | None = None,
         trace: dict[str, dict[int, torch.Tensor]] | None = None,
+        image_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """fp32 logits of ``kv.logit_rows()`` for the rows ``input_ids``."""
+        """fp32 logits of ``kv.logit_rows()`` for the rows ``input_ids``; ``image_embeds``:
+        the rows of its image positions (a model with a vision tower)."""
