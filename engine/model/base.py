@@ -29,6 +29,8 @@ class CausalLM(nn.Module, ABC):
     layers: nn.ModuleList
     norm: nn.Module
     head: nn.Linear
+    # Rows whose token is this id are image positions (None: the model has no image token).
+    image_token_id: int | None = None
 
     @property
     @abstractmethod
