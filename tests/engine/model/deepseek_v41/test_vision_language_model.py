@@ -124,7 +124,7 @@ def test_model_routes_image_rows_with_bias_vl() -> None:
     """The whole forward against a copy that knows no image id and whose routers
     swap the bias row by row by hand (Engram off: it has its own rule)."""
     model = _model(engram=False)
-    ids = _ids(24, slice(5, 17))
+    ids = _ids(14, slice(4, 10))
     got = _run(model, ids)
     hand = copy.deepcopy(model)
     hand.image_token_id = None
