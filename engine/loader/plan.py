@@ -55,13 +55,13 @@ def _check(name: str, found: tuple[int, ...], expected: tuple[int, ...], what: s
 
 
 def _loadable(
-    files: dict[str, Path], rules: WeightRules, also_skip: LeftOut | None
+    files: dict[str, Path], rules: WeightRules, also_skip: LeftOut | None, serves_vision: bool
 ) -> tuple[set[str], dict[str, int]]:
     """The stored names this load reads, and the count of each kind it skips."""
     skipped: dict[str, int] = {}
     loadable = set()
     for name in files:
-        kind = rules.skipped(name) or (also_skip(name) if also_skip else None)
+        kind = rules.skipped(name, serves_vision) or (also_skip(name) if also_skip else None)
         if kind is None:
             loadable.add(name)
         else:
@@ -80,7 +80,9 @@ def plan_tensors(
 
     ``rules``: the model's storage formats, skipped kinds and optional tensors;
     ``also_skip``: the kind of a tensor this load leaves out on purpose, or None."""
-    loadable, skipped = _loadable(files, rules, also_skip)
+    # A model with a vision tower has its tensors among the targets and reads them.
+    serves_vision = any(rules.is_vision(n) for n in targets)
+    loadable, skipped = _loadable(files, rules, also_skip, serves_vision)
     scales = {scale_name(n) for n in targets if (f := rules.format_of(n)) and f.quantised}
     unexpected = sorted(loadable - targets.keys() - scales)
     if unexpected:

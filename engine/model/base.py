@@ -29,6 +29,8 @@ class CausalLM(nn.Module, ABC):
     layers: nn.ModuleList
     norm: nn.Module
     head: nn.Linear
+    # Rows whose token is this id are image positions (None: the model has no image token).
+    image_token_id: int | None = None
 
     @property
     @abstractmethod
@@ -68,5 +70,7 @@ class CausalLM(nn.Module, ABC):
         input_ids: torch.Tensor,
         kv: KVBackend | None = None,
         trace: dict[str, dict[int, torch.Tensor]] | None = None,
+        image_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """fp32 logits of ``kv.logit_rows()`` for the rows ``input_ids``."""
+        """fp32 logits of ``kv.logit_rows()`` for the rows ``input_ids``; ``image_embeds``:
+        the rows of its image positions (a model with a vision tower)."""

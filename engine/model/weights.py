@@ -45,6 +45,8 @@ class WeightRules:
     formats: tuple[tuple[re.Pattern[str], WeightFormat], ...]  # first full match wins
     skipped_kinds: tuple[tuple[str, tuple[str, ...]], ...]  # kind -> name prefixes not served
     optional_tensors: tuple[re.Pattern[str], ...]  # fullmatch: absent in an export, zeros
+    # A vision tower's tensors: read by a model that has one, else skipped as "vision".
+    vision_prefixes: tuple[str, ...] = ()
 
     def format_of(self, name: str) -> WeightFormat | None:
         """The storage format of the model tensor ``name`` (None: not in the table)."""
@@ -53,12 +55,21 @@ class WeightRules:
                 return fmt
         return None
 
-    def skipped(self, name: str) -> str | None:
-        """The kind of a stored tensor the text model does not load, or None."""
+    def skipped(self, name: str, serves_vision: bool = False) -> str | None:
+        """The kind of a stored tensor a load does not read, or None.
+
+        ``serves_vision``: the model has a vision tower (its config a ``vision_config``),
+        which reads the vision tensors.
+        """
         for kind, prefixes in self.skipped_kinds:
             if name.startswith(prefixes):
                 return kind
+        if not serves_vision and self.vision_prefixes and name.startswith(self.vision_prefixes):
+            return "vision"
         return None
+
+    def is_vision(self, name: str) -> bool:
+        return bool(self.vision_prefixes) and name.startswith(self.vision_prefixes)
 
     def optional(self, name: str) -> bool:
         return any(p.fullmatch(name) for p in self.optional_tensors)

@@ -50,6 +50,10 @@ class Accounting:
     persistent_kv_bytes_per_token: int | float
     ced_boundary: int
     layers: list[LayerAccount] = field(default_factory=list)
+    # The vision tower, aligner and span vectors (0 without a vision_config); not in
+    # params_total, which counts the text model, nor in the active counts: a text
+    # token never runs them, an image runs them once at admission.
+    params_vision: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -105,8 +109,12 @@ def account(config: ModelConfig, shapes: dict[str, tuple[int, ...]] | None = Non
     tables = [0] * n_layers
     kv_write = 0
     outside: dict[str, int] = {}  # embed, norm, head
+    vision = 0
     for name, shape in shapes.items():
         numel = math.prod(shape)
+        if spec.weights.is_vision(name):
+            vision += numel
+            continue
         match = rules.layer.fullmatch(name)
         if match is None:
             outside[name] = numel
@@ -154,4 +162,5 @@ def account(config: ModelConfig, shapes: dict[str, tuple[int, ...]] | None = Non
         persistent_kv_bytes_per_token=global_kv,  # only global KV is persisted (2.3)
         ced_boundary=boundary,
         layers=layers,
+        params_vision=vision,
     )

@@ -70,6 +70,7 @@ class WeightKind(StrEnum):
     BF16_PROJECTIONS = "bf16_projections"  # router, compressor, indexer keys, Engram gates
     NORMS_MHC_SINKS_BIASES = "norms_mhc_sinks_biases"  # fp32 (the checkpoint's format)
     EMBED_HEAD = "embed_head"  # bf16
+    VISION = "vision"  # the vision tower, aligner and span vectors, as stored: replicated
 
 
 class HostKind(StrEnum):
@@ -86,6 +87,7 @@ WEIGHT_KIND_LABELS: dict[str, str] = {
     WeightKind.BF16_PROJECTIONS: "router/compressor/indexer, bf16",
     WeightKind.NORMS_MHC_SINKS_BIASES: "norms, mHC, sinks, biases, fp32",
     WeightKind.EMBED_HEAD: "embedding and head, bf16",
+    WeightKind.VISION: "vision tower and aligner, bf16/fp32",
     HostKind.ENGRAM_FP8: "Engram tables, FP8 E4M3 (host)",
     HostKind.ENGRAM_SCALES: "Engram scales, E8M0 per 32 (host)",
 }
@@ -211,6 +213,8 @@ def weight_bytes(
             )
         elif fmt is None:
             raise PlanError(f"tensor `{name}` has no storage format in engine/loader/formats.py")
+        elif spec.weights.is_vision(name):
+            replicated[WeightKind.VISION] += numel * _FORMAT_BYTES[fmt]
         elif name in embed_head:
             replicated[WeightKind.EMBED_HEAD] += numel * _FORMAT_BYTES[fmt]
         elif fmt is WeightFormat.BF16 and len(shape) == 2:

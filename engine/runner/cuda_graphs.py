@@ -197,7 +197,9 @@ class DecodeGraphs:
         attn = block.attn
         pos = s.get("pos", b)
         if block.engram is not None:
-            R = block.engram.apply_rows(R, s.get(f"engram{layer_id}", b))
+            image = self._image_rows(b)
+            live = None if image is None else ~image
+            R = block.engram.apply_rows(R, s.get(f"engram{layer_id}", b), live)
         pre_a, post_a, comb_a = block.hc_attn(R)
         x = block.attn_norm(hc_collapse(R, pre))
         s.put("R", R)
@@ -225,7 +227,13 @@ class DecodeGraphs:
         R = hc_mix(R, y, s.get("post_a", b), s.get("comb_a", b))
         pre_f, post_f, comb_f = block.hc_ffn(R)
         x = block.ffn_norm(hc_collapse(R, s.get("pre_a", b)))
-        return hc_mix(R, block.ffn(x), post_f, comb_f), pre_f
+        return hc_mix(R, block.ffn(x, self._image_rows(b)), post_f, comb_f), pre_f
+
+    def _image_rows(self, b: int) -> torch.Tensor | None:
+        """Rows whose token is the image placeholder (as the eager forward decides them),
+        from the captured ids slot: a mask op in the graph, no host sync."""
+        image_id = self.model.image_token_id
+        return None if image_id is None else self.slots.get("ids", b) == image_id
 
     def run_piece(self, piece: int, b: int) -> None:
         model, hc = self.model, self.config.hc_mult

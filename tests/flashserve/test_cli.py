@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -58,22 +59,31 @@ def test_make_tiny_then_inspect_the_directory(
         assert (out / name).exists(), name
     data = _inspect_json(capsys, str(out))
     tiny = _inspect_json(capsys, "tiny")
-    assert {k: v for k, v in data.items() if k not in ("model", "checkpoint")} == {
-        k: v for k, v in tiny.items() if k != "model"
+    # The same text model; make-tiny adds a vision tower (its own count).
+    assert {k: v for k, v in data.items() if k not in ("model", "checkpoint", "params_vision")} == {
+        k: v for k, v in tiny.items() if k not in ("model", "params_vision")
     }
+    assert tiny["params_vision"] == 0
+    vision_names = ("vision.", "aligner.", "image_")
+    from engine.loader.files import iter_checkpoint_tensors
+
+    assert data["params_vision"] == sum(
+        math.prod(t.shape) for t in iter_checkpoint_tensors(out) if t.name.startswith(vision_names)
+    )
     ckpt = data["checkpoint"]
     assert set(ckpt["by_dtype"]) == {"BF16", "F32", "F8_E4M3", "F8_E8M0", "I8"}
-    # make-tiny carries one tensor of each kind the release holds and the text model
-    # skips by rule: DSpark (mtp.*) and the vision tower (vision., aligner., image_).
-    assert ckpt["skipped"] == {"dspark": 2, "vision": 3}
+    # make-tiny carries one tensor of each kind the release holds and the model
+    # skips by rule: DSpark (mtp.*); its vision tower is served (read, not skipped).
+    assert ckpt["skipped"] == {"dspark": 2}
     file_bytes = (out / "model.safetensors").stat().st_size
     assert 0 < file_bytes - ckpt["bytes"] < 200_000  # the rest is the JSON header
     # make-tiny writes the release's formats: the memory plan's packed bytes (device
     # and host) are exactly the bytes of the tensors the text model serves.
-    from engine.loader.files import iter_checkpoint_tensors
     from engine.model.deepseek_v41.weight_names import WEIGHTS
 
-    served = sum(t.nbytes for t in iter_checkpoint_tensors(out) if WEIGHTS.skipped(t.name) is None)
+    served = sum(
+        t.nbytes for t in iter_checkpoint_tensors(out) if WEIGHTS.skipped(t.name, True) is None
+    )
     plan = _inspect_json(capsys, str(out), "--plan")
     assert plan["device_kinds"][0]["weights_bytes"] + plan["host_bytes"] == served
 
@@ -140,9 +150,9 @@ def test_inspect_plan_on_one_device_says_it_does_not_fit(
 ) -> None:
     assert main(["inspect", "official", "--plan", "--device-memory-gib", "141"]) == 0
     out = capsys.readouterr().out
-    assert "does not fit: weights need 278.1 GiB per device, 141.0 GiB available" in out
+    assert "does not fit: weights need 279.0 GiB per device, 141.0 GiB available" in out
     data = _inspect_json(capsys, "official", "--plan", "--devices", "1")
-    assert data["fits"] is False and data["refusal"].startswith("weights need 278.1 GiB")
+    assert data["fits"] is False and data["refusal"].startswith("weights need 279.0 GiB")
 
 
 def test_inspect_plan_rejects_bad_device_counts(capsys: pytest.CaptureFixture[str]) -> None:
@@ -164,7 +174,7 @@ def test_inspect_plan_topology_flags_reach_the_plan(capsys: pytest.CaptureFixtur
     assert main(["inspect", "official", "--plan", "--data-parallel-size", "8"]) == 0
     out = capsys.readouterr().out
     assert "devices 0-7 (each: 384 routed experts per layer)" in out
-    assert "does not fit: weights need 278.1 GiB per device" in out
+    assert "does not fit: weights need 279.0 GiB per device" in out
     assert "without --enable-expert-parallel every rank holds all 384 routed experts" in out
     argv = ["inspect", "official", "--plan", "--devices", "8", "--tensor-parallel-size", "2"]
     assert main([*argv, "--data-parallel-size", "2"]) == 2

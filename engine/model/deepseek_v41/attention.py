@@ -40,6 +40,10 @@ def _linear32(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
 class Selections:
     """CSA2 state of one forward, row-aligned with the rows in flight.
 
+    ``image_rows`` [T] bool: the rows of an image span (their token is the image
+    placeholder), whose router picks with ``bias_vl`` and whose Engram gate is
+    shut; None for a model without an image token.
+
     ``topk[l]``: the entries index source ``l`` picked ([T, index_topk], -1 padded),
     which its Reuse layers attend to; ``candidates``: the candidate source's block
     mask, which every later index source scores inside. ``trace`` (tests only)
@@ -49,10 +53,13 @@ class Selections:
     topk: dict[int, torch.Tensor] = field(default_factory=dict)
     candidates: torch.Tensor | None = None
     trace: dict[str, dict[int, torch.Tensor]] | None = None
+    image_rows: torch.Tensor | None = None
 
     def keep(self, rows: torch.Tensor) -> None:
         """Follow the backend's row cut."""
         self.topk = {l: t[rows] for l, t in self.topk.items()}
+        if self.image_rows is not None:
+            self.image_rows = self.image_rows[rows]
         if self.candidates is not None:
             self.candidates = self.candidates[rows]
 

@@ -261,14 +261,23 @@ class Engram(nn.Module):
         assert self.embed is not None
         return F.embedding(row_ids, self.embed.weight)
 
-    def apply_rows(self, R: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """``R'[h] = R[h] + gate_h * value`` from looked-up ``rows``; in fp32, ``R``'s dtype out."""
+    def apply_rows(
+        self, R: torch.Tensor, rows: torch.Tensor, live: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``R'[h] = R[h] + gate_h * value`` from looked-up ``rows``; in fp32, ``R``'s dtype out.
+
+        ``live [T]`` bool: False shuts the gate (an image position passes through untouched).
+        """
         kv = self.wkv(rows.flatten(-2).to(self.q_weight.dtype))  # wkv may be packed (FP8)
         key = kv[..., : self.hc * self.dim].unflatten(-1, (self.hc, self.dim))
         value = kv[..., self.hc * self.dim :]
         gate = engram_gate(R, key, self.q_weight, self.k_weight, self.eps)
+        if live is not None:
+            gate = gate.masked_fill(~live[:, None], 0.0)
         return (upcast(R) + gate.unsqueeze(-1) * upcast(value).unsqueeze(-2)).to(R.dtype)
 
-    def forward(self, R: torch.Tensor, row_ids: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, R: torch.Tensor, row_ids: torch.Tensor, live: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """``R [T, hc, D]``, ``row_ids [T, n_columns]`` (from ``engram_hash_rows``) -> ``R'``."""
-        return self.apply_rows(R, self.lookup(row_ids))
+        return self.apply_rows(R, self.lookup(row_ids), live)

@@ -79,7 +79,8 @@ class Block(nn.Module):
         """
         if self.engram is not None:
             assert token_rows is not None
-            R = self.engram(R, token_rows)
+            live = None if sel.image_rows is None else ~sel.image_rows
+            R = self.engram(R, token_rows, live)
         pre_a, post_a, comb_a = self.hc_attn(R)
         x = self.attn_norm(hc_collapse(R, pre))
         self.attn.store_kv(x, kv)
@@ -94,5 +95,5 @@ class Block(nn.Module):
         R = hc_mix(R, self.attn(x, kv, sel), post_a, comb_a)
         pre_f, post_f, comb_f = self.hc_ffn(R)
         x = self.ffn_norm(hc_collapse(R, pre_a))
-        R = hc_mix(R, self.ffn(x), post_f, comb_f)
+        R = hc_mix(R, self.ffn(x, sel.image_rows), post_f, comb_f)
         return R, pre_f

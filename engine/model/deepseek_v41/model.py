@@ -16,23 +16,33 @@ from torch import nn
 from engine.model.base import CausalLM
 from engine.model.deepseek_v41.attention import Selections
 from engine.model.deepseek_v41.config import ModelConfig
-from engine.model.deepseek_v41.engram import engram_hash_rows, engram_hash_windows
+from engine.model.deepseek_v41.engram import engram_hash_windows
 from engine.model.deepseek_v41.layer import Block
 from engine.model.deepseek_v41.mhc import hc_collapse, hc_initial_pre
 from engine.model.deepseek_v41.norm import RMSNorm
+from engine.model.deepseek_v41.vision.aligner import Aligner
+from engine.model.deepseek_v41.vision.config import image_token_id, vision_config
+from engine.model.deepseek_v41.vision.image_plan import ImagePlan
+from engine.model.deepseek_v41.vision.span import span_rows
+from engine.model.deepseek_v41.vision.vit import VisionTransformer
 from engine.model.kv.kv_backend import KVBackend
 from engine.model.parallel import SINGLE, Parallel
 from engine.model.precision import upcast
 
 
 class DeepseekV41(CausalLM):
-    """Embedding, ``num_hidden_layers`` blocks, final norm and head.
+    """Embedding, ``num_hidden_layers`` blocks, final norm and head; with a
+    ``vision_config``, the vision tower too (``vision.*``, ``aligner.*`` and the
+    span vectors ``image_start``, ``image_newline``, ``image_end``, at the root as
+    in the release).
 
-    DSpark (``mtp.*``) and vision weights are not part of the text model; the
-    loader skips them with a notice.
+    DSpark (``mtp.*``) weights are not part of the model; the loader skips them
+    with a notice.
     """
 
     engram_vocab_map: torch.Tensor
+    vision: VisionTransformer | None
+    aligner: Aligner | None
 
     def __init__(self, config: ModelConfig, parallel: Parallel = SINGLE) -> None:
         super().__init__()
@@ -50,6 +60,18 @@ class DeepseekV41(CausalLM):
         self.register_buffer(
             "engram_vocab_map", torch.zeros(config.vocab_size, dtype=torch.long), persistent=False
         )
+        # Every position of an image span carries this id (None: no image token).
+        self.image_token_id = image_token_id(config)
+        # Registered after the text model so its tensors keep their state_dict
+        # order (and a seed its text weights).
+        vision = vision_config(config)
+        self.vision = self.aligner = None
+        if vision is not None:
+            self.vision = VisionTransformer(vision)
+            self.aligner = Aligner(vision, config.hidden_size)
+            self.image_start = nn.Parameter(torch.zeros(config.hidden_size))
+            self.image_newline = nn.Parameter(torch.zeros(config.hidden_size))
+            self.image_end = nn.Parameter(torch.zeros(config.hidden_size))
 
     @property
     def blocks(self) -> list[Block]:
@@ -89,20 +111,71 @@ class DeepseekV41(CausalLM):
         Each n-gram reaches ``engram_max_ngram_size - 1`` tokens back, across
         chunk boundaries; positions before 0 take the pad token's class.
         """
-        history = self.config.engram_max_ngram_size - 1
-        classes = self.engram_vocab_map[token_ids[max(0, start - history) : end]]
-        missing = history - min(start, history)
-        if missing:
-            pad = self.engram_vocab_map[self.config.engram_pad_token_id]
-            classes = torch.cat([pad.expand(missing), classes])
-        return engram_hash_rows(classes, self.config, layer_id)
+        n = self.config.engram_max_ngram_size
+        missing = (n - 1) - min(start, n - 1)
+        ids = token_ids[max(0, start - (n - 1)) : end]
+        ids = torch.cat([ids.new_full((missing,), -1), ids])
+        return self.engram_window_rows(ids.long().unfold(0, n, 1), layer_id)
 
     def engram_window_rows(self, windows: torch.Tensor, layer_id: int) -> torch.Tensor:
         """Engram table rows of rows whose last n token ids are ``windows`` [T, n]
-        (-1 before the sequence start: the pad token's class)."""
-        classes = self.engram_vocab_map[windows.clamp(min=0)]
+        (-1 before the sequence start: the pad token's class).
+
+        An n-gram never reaches through an image position: from the newest image
+        token of a window back, every slot takes the pad class, as before the
+        sequence start (the row of an image position itself is all pad).
+        """
         pad = self.engram_vocab_map[self.config.engram_pad_token_id]
-        return engram_hash_windows(torch.where(windows < 0, pad, classes), self.config, layer_id)
+        blocked = windows < 0
+        if self.image_token_id is not None:
+            image = windows == self.image_token_id
+            # Slot j is cut when any slot j..n-1 (it or a newer one) is an image position.
+            blocked = blocked | image.flip(1).cummax(dim=1).values.flip(1)
+        classes = self.engram_vocab_map[windows.clamp(min=0)]
+        return engram_hash_windows(torch.where(blocked, pad, classes), self.config, layer_id)
+
+    # ----------------------------------------------------------------- images
+    @property
+    def takes_images(self) -> bool:
+        return self.vision is not None
+
+    def encode_image(self, patches: torch.Tensor, plan: ImagePlan) -> torch.Tensor:
+        """The ``plan.tokens`` rows [T, hidden] an image's span feeds the language model,
+        from its ``patches`` (``image_pixels.image_patches``): ViT, aligner, span vectors."""
+        if self.vision is None or self.aligner is None:
+            raise ValueError("this model has no vision tower")
+        features = self.vision(patches.to(self.embed.weight.device), plan.n_vit_h, plan.n_vit_w)
+        cells = self.aligner(features, plan.n_vit_h, plan.n_vit_w)
+        return span_rows(
+            cells.to(self.embed.weight.dtype),
+            plan.n_llm_h,
+            plan.n_llm_w,
+            self.image_start,
+            self.image_newline,
+            self.image_end,
+        )
+
+    def input_embeddings(
+        self, input_ids: torch.Tensor, image_embeds: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """[T, hidden]: the token embeddings, the image rows replaced by ``image_embeds``.
+
+        ``image_embeds [k, hidden]``: one row per image position of ``input_ids``
+        (the placeholder id), in order; a chunk that cuts a span passes the rows
+        of its part of the span.
+        """
+        x = self.embed(input_ids)
+        if image_embeds is None:
+            return x
+        if self.image_token_id is None:
+            raise ValueError("image rows given to a model without an image token")
+        where = input_ids == self.image_token_id
+        count = int(where.sum())
+        if count != image_embeds.shape[0]:
+            raise ValueError(
+                f"{image_embeds.shape[0]} image rows for {count} image positions in the rows"
+            )
+        return x.masked_scatter(where[:, None], image_embeds.to(x.dtype))
 
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator, std: float | None = None) -> None:
@@ -118,7 +191,9 @@ class DeepseekV41(CausalLM):
         # the experts' storage.
         for name, p in self.state_dict(keep_vars=True).items():
             leaf = name.rsplit(".", 1)[-1]
-            if name.endswith("norm.weight") or leaf.endswith("_scale"):
+            if name.endswith(("norm.weight", "norm1.weight", "norm2.weight")) or leaf.endswith(
+                "_scale"
+            ):
                 p.fill_(1.0)
             elif leaf in ("bias", "bias_vl", "attn_sink") or leaf.endswith("_base"):
                 p.zero_()
@@ -146,20 +221,25 @@ class DeepseekV41(CausalLM):
         input_ids: torch.Tensor,
         kv: KVBackend | None = None,
         trace: dict[str, dict[int, torch.Tensor]] | None = None,
+        image_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """fp32 logits [rows, vocab] of ``kv.logit_rows()`` for the rows ``input_ids`` [T].
 
         ``kv`` defaults to the dense backend under the exact semantics (every
         layer over every token): ``model(ids)`` is the training forward.
+        ``image_embeds``: the rows of the image positions (``input_embeddings``);
+        they replace those embeddings before the hyper-connection expansion.
         """
         if kv is None:
             from engine.model.kv.dense_backend import DenseKV  # the default oracle backend
 
             kv = DenseKV.exact(self.config, input_ids)
         hc, n = self.config.hc_mult, self.config.engram_max_ngram_size
-        R = self.embed(input_ids).unsqueeze(1).expand(-1, hc, -1).contiguous()
+        R = self.input_embeddings(input_ids, image_embeds)
+        R = R.unsqueeze(1).expand(-1, hc, -1).contiguous()
         pre = hc_initial_pre(R.shape[0], hc, R.device)
-        sel = Selections(trace=trace)
+        image_rows = None if self.image_token_id is None else input_ids == self.image_token_id
+        sel = Selections(trace=trace, image_rows=image_rows)
         for i, block in enumerate(self.blocks):
             rows = None
             if block.engram is not None:

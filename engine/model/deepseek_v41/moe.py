@@ -60,15 +60,23 @@ class Gate(nn.Module):
         self.weight = nn.Parameter(torch.empty(config.n_routed_experts, config.hidden_size))
         # e_score_correction_bias; selection only, kept in fp32 like the checkpoint.
         self.bias = nn.Parameter(torch.zeros(config.n_routed_experts, dtype=torch.float32))
-        # The release's selection bias for image tokens (its vision-language
-        # routing). A text server routes no image token, so it is loaded (the
-        # checkpoint carries it for every MoE layer) and never read.
+        # The release's selection bias for image positions (its vision-language
+        # routing): picks the experts of a row of an image span in place of ``bias``.
         self.bias_vl = nn.Parameter(torch.zeros(config.n_routed_experts, dtype=torch.float32))
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(weights [T, k] fp32, idx [T, k])`` for ``x [T, D]``."""
+    def forward(
+        self, x: torch.Tensor, image_rows: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(weights [T, k] fp32, idx [T, k])`` for ``x [T, D]``.
+
+        ``image_rows [T]`` bool: rows of an image span, whose experts ``bias_vl``
+        picks; their weights come from the unbiased scores like every row's.
+        """
         scores = F.softplus(F.linear(upcast(x), upcast(self.weight))).sqrt()
-        idx = torch.topk(scores + upcast(self.bias), self.topk, dim=-1).indices
+        bias = upcast(self.bias)
+        if image_rows is not None:  # branch-free: no host sync on whether any row is one
+            bias = torch.where(image_rows[:, None], upcast(self.bias_vl), bias)
+        idx = torch.topk(scores + bias, self.topk, dim=-1).indices
         weights = scores.gather(-1, idx)
         if self.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + ROUTE_NORM_EPS)
@@ -97,10 +105,10 @@ class MoE(nn.Module):
         # The released config clamps the shared expert too (docs/design/architecture.md §1.8).
         self.shared_experts = Expert(dim, shared, limit)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [T, D] -> [T, D]`` in ``x``'s dtype."""
+    def forward(self, x: torch.Tensor, image_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [T, D] -> [T, D]`` in ``x``'s dtype; ``image_rows``: see ``Gate.forward``."""
         p = self.parallel
-        weights, idx = self.gate(x)
+        weights, idx = self.gate(x, image_rows)
         if p.ep_dispatch:  # other EP ranks hold other rows: pairs go to their experts' ranks
             y = ep_moe(self.experts, p, x, weights, idx)
         else:

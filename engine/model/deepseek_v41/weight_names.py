@@ -1,5 +1,5 @@
 """DeepSeek-V4.1's checkpoint name rules: which stored tensor is in which format,
-which the text server skips, which an export may leave out.
+which a load skips, which an export may leave out.
 
 The storage format of every model tensor is fixed by its name (the decision
 table in docs/design/checkpoints.md); the formats themselves, their shapes on
@@ -33,22 +33,31 @@ _FORMATS: tuple[tuple[str, WeightFormat], ...] = (
     (_L + r"ffn\.gate\.weight", WeightFormat.BF16),
     (_L + r"engram\.[\w.]+", WeightFormat.BF16),
     (r"(embed|head)\.weight", WeightFormat.BF16),
+    # The vision tower: every port loads it unquantised (vLLM's quant_config=None),
+    # its norms in fp32, the span vectors declared fp32 (vLLM).
+    (r"vision\.blocks\.\d+\.norm[12]\.weight", WeightFormat.FP32),
+    (r"vision\.[\w.]+", WeightFormat.BF16),
+    (r"aligner\.w[12]\.(weight|bias)", WeightFormat.BF16),
+    (r"image_(start|newline|end)", WeightFormat.FP32),
 )
 
-# Tensors of the release the text server does not serve: skipped with one notice per kind.
-SKIPPED_KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("dspark", ("mtp.",)),
-    ("vision", ("vision.", "visual.", "aligner.", "image_")),
-)
+# Tensors of the release the server does not serve: skipped with one notice per kind.
+SKIPPED_KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (("dspark", ("mtp.",)),)
+
+# The vision tower's tensors: loaded into a model built with a ``vision_config``,
+# skipped (kind "vision") by a text-only one.
+VISION_PREFIXES = ("vision.", "visual.", "aligner.", "image_")
 
 # Model tensors an export may leave out, with the value they then take. The
 # release stores ``ffn.gate.bias_vl`` (the router's selection bias for image
-# tokens) for every MoE layer; a text server never routes an image token, so an
-# export without it (older text-only checkpoints, the demo model) loads as zeros.
+# tokens) for every MoE layer; an export without it (older text-only
+# checkpoints, the demo model) loads as zeros: such a model routes an image
+# position like text.
 _OPTIONAL = (r"layers\.\d+\.ffn\.gate\.bias_vl",)
 
 WEIGHTS = WeightRules(
     formats=tuple((re.compile(pattern), fmt) for pattern, fmt in _FORMATS),
     skipped_kinds=SKIPPED_KINDS,
+    vision_prefixes=VISION_PREFIXES,
     optional_tensors=tuple(re.compile(p) for p in _OPTIONAL),
 )

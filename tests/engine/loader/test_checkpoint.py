@@ -15,11 +15,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
 from engine.loader.checkpoint import load_checkpoint
-from engine.loader.checkpoint_writer import encode_tensor, make_tiny, save_checkpoint
+from engine.loader.checkpoint_writer import (
+    encode_tensor,
+    make_tiny,
+    save_checkpoint,
+    tiny_checkpoint_config,
+)
 from engine.loader.files import INDEX_FILE, SINGLE_FILE, iter_checkpoint_tensors, weight_map
 from engine.loader.formats import CheckpointError, dequantize, stored_shapes
 from engine.loader.tokenizer import load_tokenizer
@@ -33,8 +39,12 @@ SEED = 3
 IDS = torch.tensor([0, 5, 17, 99, 1234, 2, 64000, 7, 7, 128803, 31, 8])
 
 
+# What make-tiny writes: the tiny text model and a small vision tower.
+TINY = tiny_checkpoint_config()
+
+
 def _tiny_model(seed: int = SEED) -> DeepseekV41:
-    model = DeepseekV41(ModelConfig.tiny())
+    model = DeepseekV41(TINY)
     model.init_weights(torch.Generator().manual_seed(seed))
     return model
 
@@ -67,7 +77,7 @@ def original() -> DeepseekV41:
 def sharded_dir(tmp_path_factory: pytest.TempPathFactory, original: DeepseekV41) -> Path:
     out = tmp_path_factory.mktemp("sharded")
     # ~20 MB shards: embed and head (66 MB each in BF16) get their own shards.
-    return save_checkpoint(original, ModelConfig.tiny(), out, shard_bytes=20_000_000)
+    return save_checkpoint(original, TINY, out, shard_bytes=20_000_000)
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +85,7 @@ def loaded(tiny_dir: Path) -> DeepseekV41:
     # Dequantised at load: the round trip through the writer's formats (the packed
     # default: tests/engine/loader/test_checkpoint_experts.py, test_packed_linears.py).
     config, model = load_checkpoint(tiny_dir, quantization="none")
-    assert config.to_dict() == ModelConfig.tiny().to_dict()
+    assert config.to_dict() == TINY.to_dict()
     return model
 
 
@@ -92,7 +102,7 @@ def oracle(tiny_dir: Path, original: DeepseekV41) -> DeepseekV41:
 
 def test_every_tiny_tensor_has_a_format() -> None:
     with torch.device("meta"):
-        names = DeepseekV41(ModelConfig.tiny()).state_dict().keys()
+        names = DeepseekV41(TINY).state_dict().keys()
     assert [n for n in names if WEIGHTS.format_of(n) is None] == []
 
 
@@ -296,11 +306,22 @@ def test_wrong_scale_shape_is_named(sharded_dir: Path, tmp_path: Path) -> None:
         load_checkpoint(bad)
 
 
+@pytest.fixture(scope="module")
+def text_only_dir(tmp_path_factory: pytest.TempPathFactory, original: DeepseekV41) -> Path:
+    """The sharded checkpoint of the same text weights and no vision tower."""
+    text = DeepseekV41(ModelConfig.tiny())
+    unused = text.load_state_dict(original.state_dict(), strict=False).unexpected_keys
+    assert unused and all(WEIGHTS.is_vision(n) for n in unused)
+    out = tmp_path_factory.mktemp("text_only")
+    return save_checkpoint(text, ModelConfig.tiny(), out, shard_bytes=20_000_000)
+
+
 def test_skips_dspark_and_vision_and_accepts_plain_exports(
-    sharded_dir: Path, tmp_path: Path, loaded: DeepseekV41, caplog: pytest.LogCaptureFixture
+    text_only_dir: Path, tmp_path: Path, loaded: DeepseekV41, caplog: pytest.LogCaptureFixture
 ) -> None:
     # A dequantised re-export (no .scale) is accepted for a quantised tensor;
-    # DSpark and vision tensors are skipped with one notice per kind.
+    # DSpark tensors, and vision tensors for a model without a tower, are skipped
+    # with one notice per kind.
     name = "layers.0.attn.wq_a.weight"
     value = loaded.state_dict()[name].clone() * 3
     extra = {
@@ -310,31 +331,56 @@ def test_skips_dspark_and_vision_and_accepts_plain_exports(
         "mtp.0.norm.weight": torch.ones(4),
         "vision.blocks.0.attn.qkv.weight": torch.zeros(2, 2),
     }
-    ok = _tampered(sharded_dir, tmp_path / "ok", drop=("layers.0.attn.wq_a.scale",), add=extra)
+    drop = ("layers.0.attn.wq_a.scale",)
+    ok = _tampered(text_only_dir, tmp_path / "ok", drop=drop, add=extra)
     with caplog.at_level(logging.INFO, logger="engine.loader.checkpoint"):
         _, model = load_checkpoint(ok, quantization="none")
     notices = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
     assert len(notices) == 2
     assert any("3 dspark" in m for m in notices)
     assert any("1 vision" in m for m in notices)
+    assert model.vision is None
     assert torch.equal(model.state_dict()[name], value)
     assert torch.equal(model.state_dict()["head.weight"], loaded.state_dict()["head.weight"])
+
+
+def test_a_vision_model_reads_its_tensors_and_refuses_strangers(
+    sharded_dir: Path, tmp_path: Path
+) -> None:
+    """With a tower, vision names are model tensors: one the tower lacks is unexpected,
+    one it needs is missing (never skipped)."""
+    stray = {"vision.blocks.0.attn.qkv.weight": torch.zeros(2, 2)}
+    bad = _tampered(sharded_dir, tmp_path / "stray", add=stray)
+    with pytest.raises(CheckpointError, match=r"vision\.blocks\.0\.attn\.qkv.*unexpected"):
+        load_checkpoint(bad)
+    gone = _tampered(sharded_dir, tmp_path / "gone", drop=("aligner.w1.weight",))
+    with pytest.raises(CheckpointError, match=r"aligner\.w1\.weight.*missing"):
+        load_checkpoint(gone)
 
 
 def test_make_tiny_holds_every_kind_and_the_loader_names_what_it_skips(
     tiny_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The release's index holds DSpark, vision and ``gate.bias_vl`` tensors besides the
-    text model's: make-tiny writes one of each, and loading names each skip rule."""
+    text model's: make-tiny writes each; the tower loads, DSpark is skipped by name."""
     names = set(weight_map(tiny_dir))
     assert any(n.startswith("mtp.") for n in names)
-    assert any(n.startswith(("vision.", "aligner.", "image_")) for n in names)
+    assert {"image_start", "image_newline", "image_end", "aligner.w1.weight"} <= names
+    assert "vision.blocks.1.attn.wqkv.bias" in names
     assert "layers.0.ffn.gate.bias_vl" in names
     with caplog.at_level(logging.INFO, logger="engine.loader.checkpoint"):
-        load_checkpoint(tiny_dir)
+        _, model = load_checkpoint(tiny_dir)
     notices = sorted(r.getMessage() for r in caplog.records if "skipped" in r.getMessage())
-    assert len(notices) == 2
-    assert "2 dspark tensors" in notices[0] and "3 vision tensors" in notices[1]
+    assert len(notices) == 1 and "2 dspark tensors" in notices[0]
+    assert model.vision is not None
+    stored = {t.name: t for t in iter_checkpoint_tensors(tiny_dir)}
+    assert stored["vision.blocks.0.norm1.weight"].dtype == "F32"
+    assert stored["vision.blocks.0.attn.wqkv.weight"].dtype == "BF16"
+    assert stored["image_start"].dtype == "F32"
+    files = weight_map(tiny_dir)
+    for name in ("image_start", "vision.patch_embed.proj.weight", "aligner.w2.bias"):
+        with safe_open(files[name], framework="pt") as f:
+            assert torch.equal(model.state_dict()[name], f.get_tensor(name).float()), name
 
 
 def test_gate_bias_vl_is_loaded_and_may_be_absent(

@@ -17,7 +17,7 @@ from safetensors import safe_open
 import engine.loader.checkpoint as checkpoint_module
 import engine.loader.plan as plan_module
 from engine.loader.checkpoint import empty_model, load_checkpoint
-from engine.loader.checkpoint_writer import make_tiny, save_checkpoint
+from engine.loader.checkpoint_writer import make_tiny, save_checkpoint, tiny_checkpoint_config
 from engine.loader.files import iter_checkpoint_tensors
 from engine.model.deepseek_v41.config import ModelConfig
 from engine.model.deepseek_v41.routed_experts import RoutedExperts
@@ -114,7 +114,7 @@ def test_packed_state_dict_round_trips_through_the_checkpoint(
     tmp_path: Path, tiny_dir: Path, packed, stored
 ) -> None:
     """save_checkpoint writes the packed bytes as they are; loading them again gives them back."""
-    save_checkpoint(packed, ModelConfig.tiny(), tmp_path)
+    save_checkpoint(packed, tiny_checkpoint_config(), tmp_path)
     with safe_open(tmp_path / "model.safetensors", framework="pt") as f:
         for name, tensor in stored.items():
             again = f.get_tensor(name)

@@ -118,3 +118,22 @@ def test_tiny_kv_bytes_and_roles() -> None:
     assert [row.layer for row in acc.layers if row.engram] == [1, 2]
     assert [row.kv_source for row in acc.layers] == [None, None, 2, 2, 4, 4, 4, 4]
     assert [row.index_source for row in acc.layers] == [None, None, 2, 2, 4, 4, 6, 6]
+
+
+def test_vision_parameters_are_counted_apart() -> None:
+    """The release's tower by hand: 32 blocks of 1024 wide, a 9216 -> 5120 -> 5120 aligner."""
+    official = account(ModelConfig.official())
+    d, inter, blocks, patch_dim, hidden = 1024, 2816, 32, 588, 5120
+    block = 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + d * 2 * inter + inter * d
+    vit = patch_dim * d + d + blocks * block + d
+    aligner = 9 * d * hidden + hidden + hidden * hidden + hidden
+    assert official.params_vision == vit + aligner + 3 * hidden
+    # Not part of the text model's counts, so those stay what they were.
+    text_only = ModelConfig.official()
+    text_only = text_only.replace(
+        extra={k: v for k, v in text_only.extra.items() if k != "vision_config"}
+    )
+    plain = account(text_only)
+    assert plain.params_vision == 0
+    assert plain.params_total == official.params_total
+    assert plain.params_active_decode == official.params_active_decode

@@ -73,6 +73,13 @@ def _hand_bytes(
         "norms_mhc_sinks_biases": fp32_small,
         "embed_head": 2 * c.vocab_size * H * 2,  # bf16
     }
+    if "vision_config" in c.extra:  # the release's tower: 32 blocks of 1024, bf16; norms fp32
+        v, vi, blocks = 1024, 2816, 32
+        block = v * 3 * v + 3 * v + v * v + v + v * 2 * vi + vi * v  # wqkv, wo (+biases), w1, w2
+        aligner = 9 * v * H + H + H * H + H
+        bf16 = 588 * v + v + blocks * block + aligner
+        fp32 = blocks * 2 * v + v + 3 * H  # norm1, norm2, final norm; the span vectors
+        device["vision"] = 2 * bf16 + 4 * fp32
     table_params = sum(c.engram_num_embeddings) * c.engram_head_dim
     host = {"engram_fp8": table_params, "engram_scales": table_params // 32}
     return device, host
@@ -90,6 +97,7 @@ def test_official_plan_on_8_devices_matches_the_hand_computation() -> None:
     # A few figures spelled out, so a wrong formula above cannot agree with itself.
     assert device["experts_fp4"] == 48 * 40 * 3 * 2304 * 5120 // 2 == 33_973_862_400
     assert host["engram_fp8"] == (384_006_168 + 384_016_682) * 256 == 196_613_849_600
+    assert device["vision"] == 970_700_800  # replicated on every device
 
     # Reserve (docs/design/memory-plan.md): 2 GiB runtime + 8 fp32 buffers of
     # 2048 rows x (4 x 5120) + fp32 logits of 64 rows; SWA KV of 64 sequences.
@@ -217,7 +225,7 @@ def test_no_expert_parallelism_on_8_x_141_is_refused_naming_the_shortfall() -> N
         f"without --enable-expert-parallel every rank holds all 384 routed experts "
         f"({experts / GIB:.1f} GiB); add --enable-expert-parallel to split them over the 8 ranks"
     )
-    assert plan.refusal().startswith("weights need 278.1 GiB per device")  # type: ignore[union-attr]
+    assert plan.refusal().startswith("weights need 279.0 GiB per device")  # type: ignore[union-attr]
 
 
 def test_a_tp_group_is_bounded_by_its_smallest_pool() -> None:
@@ -242,3 +250,18 @@ def test_a_tp_group_is_bounded_by_its_smallest_pool() -> None:
 def test_impossible_topologies_are_refused(devices: int, topology: Topology, message: str) -> None:
     with pytest.raises(PlanError, match=message.replace("(", r"\(").replace(")", r"\)")):
         memory_plan(ModelConfig.official(), devices, 141 * GIB, topology=topology)
+
+
+def test_the_vision_tower_is_placed_replicated_at_its_stored_bytes() -> None:
+    from engine.planning.accounting import param_shapes
+
+    config = ModelConfig.official()
+    shapes = param_shapes(config)
+    norms = ("norm1.weight", "norm2.weight", "norm.weight")
+    fp32 = [n for n in shapes if n.startswith("vision.") and n.endswith(norms)]
+    fp32 += ["image_start", "image_newline", "image_end"]
+    bf16 = [n for n in shapes if n.startswith(("vision.", "aligner.")) and n not in fp32]
+    numel = {n: math.prod(shapes[n]) for n in shapes}
+    want = 4 * sum(numel[n] for n in fp32) + 2 * sum(numel[n] for n in bf16)
+    for tp in (1, 4):
+        assert weight_bytes(config, shapes, tp).replicated["vision"] == want

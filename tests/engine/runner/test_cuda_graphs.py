@@ -300,3 +300,27 @@ def test_graphs_match_the_default_eager_experts(model64, runs):
 def test_no_graphs_on_cpu_or_with_enforce_eager(model64):
     assert decode_graphs_for(model64, "cpu", 8, enforce_eager=False) is None
     assert decode_graphs_for(model64, "cuda", 8, enforce_eager=True) is None
+
+
+def test_graphs_treat_a_sampled_placeholder_as_an_image_row(model64, runs):
+    """A decode row whose token is the image id routes with ``bias_vl`` and shuts its
+    Engram gate in the graphs as in the eager step: the id is set to a token the
+    greedy streams feed back, with a random ``bias_vl``, and both paths must agree."""
+    _, (out_e, logits_e, _, _) = runs
+    fed_back = token_stream(out_e["r6"])[0]  # the first decode step's input of r6
+    model = copy.deepcopy(model64)
+    model.image_token_id = fed_back
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for block in model.blocks:
+            bias = block.ffn.gate.bias_vl
+            bias.copy_(torch.randn(bias.shape, generator=g, dtype=torch.float64))
+    out_gv, logits_gv, _, _ = _run(model, graphs=True)
+    out_ev, logits_ev, _, _ = _run(model, graphs=False, static_experts=True)
+    for rid in out_ev:
+        assert token_stream(out_gv[rid]) == token_stream(out_ev[rid])
+    for key, eager in logits_ev.items():
+        for a, b in zip(logits_gv[key], eager, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-13)
+    # The rule mattered: r6's logits after feeding that token differ from the text model's.
+    assert (logits_ev["r6", 0][1] - logits_e["r6", 0][1]).abs().max() > 1e-6
