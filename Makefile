@@ -19,9 +19,11 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
-# System tools for lint-deploy (promtool, docker-compose), from Debian, when missing.
+# System tools for lint-deploy (promtool, docker-compose), from Debian, when missing;
+# the coding agents of tests/agents/ (OpenCode, Claude Code), from npm, into .agents/.
 setup: $(STAMP)
 	@scripts/install_tools.sh --if-possible
+	@scripts/install_agents.sh --if-possible
 
 serve: setup
 	$(BIN)/flashserve serve --model $(MODEL) --host $(HOST) --port $(PORT)
