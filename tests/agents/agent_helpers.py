@@ -96,7 +96,8 @@ def project_with_secret(tmp: Path) -> Path:
 
 
 def run_agent(cmd: list[str], cwd: Path, env: dict[str, str], timeout_s: float) -> AgentRun:
-    """Run one headless agent session; stdin closed so nothing can wait for a person."""
+    """Run one headless agent session; stdin closed so nothing can wait for a person. Its
+    output is also left beside ``cwd`` (agent.stdout, agent.stderr) for a person to read."""
     started = time.monotonic()
     try:
         done = subprocess.run(
@@ -113,6 +114,8 @@ def run_agent(cmd: list[str], cwd: Path, env: dict[str, str], timeout_s: float) 
         out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else exc.stdout
         tail = (out or "")[-4000:]
         pytest.fail(f"{cmd[0]} did not finish in {timeout_s:.0f} s; its output:\n{tail}")
+    (cwd.parent / "agent.stdout").write_text(done.stdout)
+    (cwd.parent / "agent.stderr").write_text(done.stderr)
     return AgentRun(done.returncode, done.stdout, done.stderr, time.monotonic() - started)
 
 

@@ -9,6 +9,7 @@ the tool results the agent sent back. Responses are streamed through as they arr
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import threading
@@ -132,11 +133,25 @@ class RecordingProxy:
                     exchange.status = reply.status
                     exchange.response_headers = {k.lower(): v for k, v in reply.getheaders()}
                     self._relay(reply, exchange)
-                except (BrokenPipeError, ConnectionResetError):
-                    self.close_connection = True  # the agent hung up mid-response
+                except (BrokenPipeError, ConnectionResetError) as exc:
+                    if exchange.status == 0:  # the server hung up: the agent gets a 502
+                        self._bad_gateway(exc)
+                    self.close_connection = True  # else the agent hung up mid-response
+                except OSError as exc:  # no server there, or it timed out
+                    self._bad_gateway(exc)
                 finally:
                     upstream.close()
                     exchange.seconds = time.monotonic() - started
+
+            def _bad_gateway(self, exc: OSError) -> None:
+                body = f"recording proxy: no answer from the server: {exc!r}".encode()
+                with contextlib.suppress(OSError):
+                    self.send_response_only(502)
+                    self.send_header("Content-Type", "text/plain")
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                self.close_connection = True
 
             def _relay(self, reply: http.client.HTTPResponse, exchange: Exchange) -> None:
                 self.send_response_only(reply.status, reply.reason)

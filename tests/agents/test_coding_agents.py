@@ -10,9 +10,10 @@ back (seen in the agent's requests by the proxy between them, and in the agent's
 JSON output). Skipped with a notice where the agents are not installed
 (scripts/install_agents.sh, run by ``make setup`` where node and npm exist).
 
-The agents keep their full default tool lists (their prompts are the realistic
-11K-30K tokens), but only the read-only tools may run: the demo model's tool calls are
-close to random, and a random ``bash`` call must not run on the test machine.
+The agents keep their default tool lists (their prompts are the realistic 10K-20K demo
+tokens, more than the demo's former 8,192-token context), but only the read-only tools
+may run: the demo model's tool calls are close to random, and a random ``bash`` call
+must not run on the test machine.
 """
 
 from __future__ import annotations
@@ -47,7 +48,16 @@ KV_CACHE_BYTES = 256 << 20  # a few sessions of 65K tokens at the demo's ~534 B/
 # model that never stops does not turn a session into minutes of decoding.
 MAX_OUTPUT_TOKENS = 256
 DEMO_MODEL = "deepseek-flash"
-OPENCODE_READ_ONLY_TOOLS = ("read", "list", "glob", "grep")
+# OpenCode drops a tool denied outright from its request, so the tools that act
+# (bash, edit/write, task, skill) are denied for every input but one that never
+# occurs: they stay in the prompt (its realistic ~10K tokens) and no call of them runs.
+# webfetch takes no patterns: denied, it is the one tool missing.
+NEVER = "flashserve-test-never-matches"
+OPENCODE_PERMISSIONS = {
+    **{tool: {"*": "deny", NEVER: "allow"} for tool in ("bash", "edit", "task", "skill")},
+    "webfetch": "deny",
+    "external_directory": "deny",
+}
 API_KEY = os.environ.get("FLASHSERVE_AGENTS_API_KEY", api_helpers.API_KEY)
 
 
@@ -121,7 +131,7 @@ def _opencode_config(base_url: str) -> dict:
         "small_model": f"flashserve/{DEMO_MODEL}",
         "autoupdate": False,
         "share": "disabled",
-        "permission": {"*": "deny", **{tool: "allow" for tool in OPENCODE_READ_ONLY_TOOLS}},
+        "permission": OPENCODE_PERMISSIONS,
     }
 
 
