@@ -135,8 +135,21 @@ def _opencode_config(base_url: str) -> dict:
     }
 
 
-def test_opencode_reads_a_file_through_a_tool(demo_server: LiveServer, tmp_path: Path) -> None:
-    opencode = agent_binary("opencode")
+# The binaries are fixtures listed before the server, so a machine without them skips
+# before a server is started for nothing.
+@pytest.fixture
+def opencode() -> Path:
+    return agent_binary("opencode")
+
+
+@pytest.fixture
+def claude() -> Path:
+    return agent_binary("claude")
+
+
+def test_opencode_reads_a_file_through_a_tool(
+    opencode: Path, demo_server: LiveServer, tmp_path: Path
+) -> None:
     project = project_with_secret(tmp_path)
     with RecordingProxy(demo_server.base_url) as proxy:
         (project / "opencode.json").write_text(json.dumps(_opencode_config(proxy.url), indent=2))
@@ -186,8 +199,9 @@ CLAUDE_CODE_QUIET = {
 }
 
 
-def test_claude_code_reads_a_file_through_a_tool(demo_server: LiveServer, tmp_path: Path) -> None:
-    claude = agent_binary("claude")
+def test_claude_code_reads_a_file_through_a_tool(
+    claude: Path, demo_server: LiveServer, tmp_path: Path
+) -> None:
     project = project_with_secret(tmp_path)
     with RecordingProxy(demo_server.base_url) as proxy:
         env = isolated_env(
