@@ -17,9 +17,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -95,28 +96,47 @@ def project_with_secret(tmp: Path) -> Path:
     return project
 
 
-def run_agent(cmd: list[str], cwd: Path, env: dict[str, str], timeout_s: float) -> AgentRun:
-    """Run one headless agent session; stdin closed so nothing can wait for a person. Its
-    output is also left beside ``cwd`` (agent.stdout, agent.stderr) for a person to read."""
+def run_agent(
+    cmd: list[str],
+    cwd: Path,
+    env: dict[str, str],
+    timeout_s: float,
+    stop_when: Callable[[], str | None] = lambda: None,
+) -> AgentRun:
+    """Run one headless agent session; stdin closed so nothing can wait for a person.
+
+    ``stop_when`` is polled every second: a reason it returns ends the session early and
+    fails the test with it (an agent refused by the server may retry or compact for
+    minutes). The output is also left beside ``cwd`` (agent.stdout, agent.stderr)."""
     started = time.monotonic()
-    try:
-        done = subprocess.run(
-            cmd,
-            cwd=cwd,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
-            timeout=timeout_s,
-            start_new_session=True,
-        )
-    except subprocess.TimeoutExpired as exc:
-        out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else exc.stdout
-        tail = (out or "")[-4000:]
-        pytest.fail(f"{cmd[0]} did not finish in {timeout_s:.0f} s; its output:\n{tail}")
-    (cwd.parent / "agent.stdout").write_text(done.stdout)
-    (cwd.parent / "agent.stderr").write_text(done.stderr)
-    return AgentRun(done.returncode, done.stdout, done.stderr, time.monotonic() - started)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    reason = None
+    while True:
+        try:
+            stdout, stderr = proc.communicate(timeout=1.0)
+            break
+        except subprocess.TimeoutExpired:
+            reason = stop_when()
+            if reason is None and time.monotonic() - started > timeout_s:
+                reason = f"it did not finish in {timeout_s:.0f} s"
+            if reason is not None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                stdout, stderr = proc.communicate()
+                break
+    (cwd.parent / "agent.stdout").write_text(stdout)
+    (cwd.parent / "agent.stderr").write_text(stderr)
+    if reason is not None:
+        pytest.fail(f"{cmd[0]} stopped: {reason}; its output:\n{stdout[-4000:]}{stderr[-2000:]}")
+    return AgentRun(proc.returncode, stdout, stderr, time.monotonic() - started)
 
 
 def _sse_payloads(body: bytes) -> Iterator[Any]:
@@ -171,6 +191,15 @@ def returned_tool_results(exchanges: list[Exchange]) -> set[str]:
                 if isinstance(block, dict) and block.get("type") == "tool_result":
                     ids.add(block["tool_use_id"])
     return ids
+
+
+def first_refusal(exchanges: list[Exchange]) -> str | None:
+    """The first answered request that was not 2xx, or None (a ``stop_when`` for
+    ``run_agent``: every request of a session must succeed)."""
+    for ex in exchanges:
+        if ex.status and not 200 <= ex.status < 300:
+            return f"the server refused a request: {ex.summary()}: {bytes(ex.response)[:1000]!r}"
+    return None
 
 
 def describe(exchanges: list[Exchange]) -> str:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import api_helpers
@@ -30,6 +31,7 @@ from agent_helpers import (
     TASK,
     agent_binary,
     describe,
+    first_refusal,
     isolated_env,
     project_with_secret,
     returned_tool_results,
@@ -85,6 +87,10 @@ def demo_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer
 
 def _log_tail(server: LiveServer) -> str:
     return server.log_tail() if server.log_path.exists() else "(a server not started by the test)"
+
+
+def _refused(proxy: RecordingProxy) -> str | None:
+    return first_refusal(proxy.exchanges)
 
 
 def _all_answered_2xx(proxy: RecordingProxy, server: LiveServer) -> None:
@@ -165,8 +171,10 @@ def test_opencode_reads_a_file_through_a_tool(
             },
         )
         cmd = [str(opencode), "run", "--format", "json", TASK]
-        run = run_agent(cmd, project, env, SESSION_TIMEOUT_S)
-    save_exchanges(proxy.exchanges, tmp_path / "exchanges.json")
+        try:
+            run = run_agent(cmd, project, env, SESSION_TIMEOUT_S, partial(_refused, proxy))
+        finally:
+            save_exchanges(proxy.exchanges, tmp_path / "exchanges.json")
     print(f"opencode session: {run.seconds:.1f} s ({tmp_path}/exchanges.json)")
     print(describe(proxy.exchanges))
     assert run.returncode == 0, f"opencode exited {run.returncode}:\n{run.stderr[-4000:]}"
@@ -218,8 +226,10 @@ def test_claude_code_reads_a_file_through_a_tool(
         cmd = [str(claude), "-p", "--output-format", "stream-json", "--verbose"]
         cmd += ["--no-session-persistence", "--permission-mode", "dontAsk"]
         cmd += ["--allowedTools", "Read,Glob,Grep", "--", TASK]
-        run = run_agent(cmd, project, env, SESSION_TIMEOUT_S)
-    save_exchanges(proxy.exchanges, tmp_path / "exchanges.json")
+        try:
+            run = run_agent(cmd, project, env, SESSION_TIMEOUT_S, partial(_refused, proxy))
+        finally:
+            save_exchanges(proxy.exchanges, tmp_path / "exchanges.json")
     print(f"claude session: {run.seconds:.1f} s ({tmp_path}/exchanges.json)")
     print(describe(proxy.exchanges))
     assert run.returncode == 0, (
