@@ -42,7 +42,7 @@ from agent_helpers import (
 from api_helpers import LiveServer, spawn_server, stop_server, wait_ready
 from recording_proxy import RecordingProxy
 
-pytestmark = pytest.mark.slow  # a server start and two agent sessions: about 3 minutes
+pytestmark = pytest.mark.slow  # a server start and two agent sessions: 3-6 minutes on 2 busy cores
 
 SESSION_TIMEOUT_S = 300.0
 KV_CACHE_BYTES = 256 << 20  # a few sessions of 65K tokens at the demo's ~534 B/token
