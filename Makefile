@@ -20,9 +20,11 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	touch $(STAMP)
 
 # System tools from Debian, when missing: promtool and docker-compose for lint-deploy,
-# chromium for the playground's browser tests (scripts/install_tools.sh).
+# chromium for the playground's browser tests (scripts/install_tools.sh); the coding
+# agents of tests/agents/ (OpenCode, Claude Code), from npm, into .agents/.
 setup: $(STAMP)
 	@scripts/install_tools.sh --if-possible
+	@scripts/install_agents.sh --if-possible
 
 serve: setup
 	$(BIN)/flashserve serve --model $(MODEL) --host $(HOST) --port $(PORT)

@@ -1,0 +1,255 @@
+"""Real coding agents run one headless session each against ``flashserve serve --model demo``.
+
+OpenCode (through its ``@ai-sdk/openai-compatible`` provider at ``/v1``) and Claude Code
+(``claude -p`` with ``ANTHROPIC_BASE_URL`` at ``/anthropic``) are each asked to read a
+file through their read tool and say the secret word in it. The demo model is tiny and
+rarely says the word, so the test asserts what does not depend on its text: the agent
+exits 0 and prints an answer, every request the server got was answered 2xx, and at
+least one tool call the server emitted was executed by the agent and its result sent
+back (seen in the agent's requests by the proxy between them, and in the agent's own
+JSON output). Skipped with a notice where the agents are not installed
+(scripts/install_agents.sh, run by ``make setup`` where node and npm exist).
+
+The agents keep their default tool lists (their prompts are the realistic 10K-20K demo
+tokens, more than the demo's former 8,192-token context), but only the read-only tools
+may run: the demo model's tool calls are close to random, and a random ``bash`` call
+must not run on the test machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from functools import partial
+from pathlib import Path
+
+import api_helpers
+import pytest
+from agent_helpers import (
+    SECRET_WORD,
+    TASK,
+    agent_binary,
+    describe,
+    first_refusal,
+    isolated_env,
+    project_with_secret,
+    returned_tool_results,
+    run_agent,
+    save_exchanges,
+    served_tool_calls,
+)
+from api_helpers import LiveServer, spawn_server, stop_server, wait_ready
+from recording_proxy import RecordingProxy
+
+pytestmark = pytest.mark.slow  # a server start and two agent sessions: 3-6 minutes on 2 busy cores
+
+SESSION_TIMEOUT_S = 300.0
+KV_CACHE_BYTES = 256 << 20  # a few sessions of 65K tokens at the demo's ~534 B/token
+# What one answer may cost: enough for a tool call's arguments, small enough that a
+# model that never stops does not turn a session into minutes of decoding.
+MAX_OUTPUT_TOKENS = 256
+DEMO_MODEL = "deepseek-flash"
+# OpenCode drops a tool denied outright from its request, so the tools that act
+# (bash, edit/write, task, skill) are denied for every input but one that never
+# occurs: they stay in the prompt (its realistic ~10K tokens) and no call of them runs.
+# webfetch takes no patterns: denied, it is the one tool missing.
+NEVER = "flashserve-test-never-matches"
+OPENCODE_PERMISSIONS = {
+    **{tool: {"*": "deny", NEVER: "allow"} for tool in ("bash", "edit", "task", "skill")},
+    "webfetch": "deny",
+    "external_directory": "deny",
+}
+API_KEY = os.environ.get("FLASHSERVE_AGENTS_API_KEY", api_helpers.API_KEY)
+
+
+@pytest.fixture(scope="module")
+def demo_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    """``flashserve serve --model demo`` on a free loopback port; or, with
+    FLASHSERVE_AGENTS_BASE_URL set, a server already running there (``make serve``, a
+    branch's build), its key in FLASHSERVE_AGENTS_API_KEY."""
+    tmp = tmp_path_factory.mktemp("agents-server")
+    running = os.environ.get("FLASHSERVE_AGENTS_BASE_URL")
+    if running:
+        yield LiveServer(running.rstrip("/"), tmp / "no-log")
+        return
+    args = ["--model", "demo", "--api-key", API_KEY, "--kv-cache-bytes", str(KV_CACHE_BYTES)]
+    # Until the demo's default context holds an agent's first request (OpenCode's is
+    # ~11.4K demo tokens, Claude Code's 18.5K-30K): remove once the default is 65,536.
+    args += ["--max-model-len", "65536"]
+    server = spawn_server(tmp / "cache", tmp / "server.log", args)
+    wait_ready(server)
+    try:
+        yield server
+    finally:
+        stop_server(server)
+
+
+def _log_tail(server: LiveServer) -> str:
+    return server.log_tail() if server.log_path.exists() else "(a server not started by the test)"
+
+
+def _refused(proxy: RecordingProxy) -> str | None:
+    return first_refusal(proxy.exchanges)
+
+
+def _all_answered_2xx(proxy: RecordingProxy, server: LiveServer) -> None:
+    exchanges = proxy.exchanges
+    assert exchanges, "the agent sent no request to the server"
+    bad = [ex for ex in exchanges if not 200 <= ex.status < 300]
+    assert not bad, (
+        f"requests not answered 2xx:\n{describe(bad)}\n"
+        f"first failed body: {bytes(bad[0].response)[:2000]!r}\nserver log:\n{_log_tail(server)}"
+    )
+
+
+def _tool_round_trip(proxy: RecordingProxy) -> set[str]:
+    """Tool calls the server emitted whose results the agent sent back."""
+    exchanges = proxy.exchanges
+    served = served_tool_calls(exchanges)
+    returned = returned_tool_results(exchanges)
+    assert served, f"the server's responses carried no tool call:\n{describe(exchanges)}"
+    assert served & returned, (
+        f"no tool call of the server came back as a tool result: served {sorted(served)}, "
+        f"returned {sorted(returned)}\n{describe(exchanges)}"
+    )
+    return served & returned
+
+
+def _opencode_config(base_url: str) -> dict:
+    """The provider config the README shows, plus the read-only permissions of the test."""
+    return {
+        "$schema": "https://opencode.ai/config.json",
+        "provider": {
+            "flashserve": {
+                "npm": "@ai-sdk/openai-compatible",
+                "name": "flashserve",
+                "options": {"baseURL": base_url + "/v1", "apiKey": API_KEY},
+                "models": {
+                    DEMO_MODEL: {
+                        "name": "DeepSeek Flash (flashserve demo)",
+                        "limit": {"context": 65536, "output": MAX_OUTPUT_TOKENS},
+                    }
+                },
+            }
+        },
+        "model": f"flashserve/{DEMO_MODEL}",
+        "small_model": f"flashserve/{DEMO_MODEL}",
+        "autoupdate": False,
+        "share": "disabled",
+        "permission": OPENCODE_PERMISSIONS,
+    }
+
+
+# The binaries are fixtures listed before the server, so a machine without them skips
+# before a server is started for nothing.
+@pytest.fixture
+def opencode() -> Path:
+    return agent_binary("opencode")
+
+
+@pytest.fixture
+def claude() -> Path:
+    return agent_binary("claude")
+
+
+def test_opencode_reads_a_file_through_a_tool(
+    opencode: Path, demo_server: LiveServer, tmp_path: Path
+) -> None:
+    project = project_with_secret(tmp_path)
+    with RecordingProxy(demo_server.base_url) as proxy:
+        (project / "opencode.json").write_text(json.dumps(_opencode_config(proxy.url), indent=2))
+        env = isolated_env(
+            tmp_path,
+            {
+                "OPENCODE_DISABLE_AUTOUPDATE": "1",
+                "OPENCODE_DISABLE_MODELS_FETCH": "1",  # models.dev: the provider is all in config
+                "OPENCODE_DISABLE_LSP_DOWNLOAD": "1",
+                "OPENCODE_DISABLE_DEFAULT_PLUGINS": "1",
+                "OPENCODE_DISABLE_SHARE": "1",
+                "OPENCODE_DISABLE_CLAUDE_CODE": "1",  # no ~/.claude prompts or skills
+            },
+        )
+        cmd = [str(opencode), "run", "--format", "json", TASK]
+        try:
+            run = run_agent(cmd, project, env, SESSION_TIMEOUT_S, partial(_refused, proxy))
+        finally:
+            save_exchanges(proxy.exchanges, tmp_path / "exchanges.json")
+    print(f"opencode session: {run.seconds:.1f} s ({tmp_path}/exchanges.json)")
+    print(describe(proxy.exchanges))
+    assert run.returncode == 0, f"opencode exited {run.returncode}:\n{run.stderr[-4000:]}"
+    _all_answered_2xx(proxy, demo_server)
+    round_trip = _tool_round_trip(proxy)
+
+    events = run.events()
+    tools_run = [
+        e["part"]
+        for e in events
+        if e.get("type") == "tool_use" and e["part"]["callID"] in round_trip
+    ]
+    assert tools_run, f"opencode reported none of the tool calls {sorted(round_trip)}: {events}"
+    assert all(t["state"]["status"] in ("completed", "error") for t in tools_run), tools_run
+    answer = "".join(e["part"].get("text", "") for e in events if e.get("type") == "text")
+    assert answer.strip(), f"opencode printed no answer: {run.stdout[-2000:]}"
+    print(f"opencode answer ({SECRET_WORD in answer=}): {answer[:200]!r}")
+
+
+# Claude Code's switches for a machine that talks to nothing but this server (the
+# variables DeepSeek's guide and Claude Code's own settings reference name).
+CLAUDE_CODE_QUIET = {
+    "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",  # updates, telemetry, error reports...
+    "DISABLE_TELEMETRY": "1",
+    "DISABLE_AUTOUPDATER": "1",
+    "DISABLE_ERROR_REPORTING": "1",
+    "CLAUDE_CODE_DISABLE_FEEDBACK_SURVEY": "1",
+    "CLAUDE_CODE_DISABLE_AUTO_MEMORY": "1",
+    "API_TIMEOUT_MS": str(int(SESSION_TIMEOUT_S * 1000)),  # CPU prefill of ~30K tokens is slow
+}
+
+
+def test_claude_code_reads_a_file_through_a_tool(
+    claude: Path, demo_server: LiveServer, tmp_path: Path
+) -> None:
+    project = project_with_secret(tmp_path)
+    with RecordingProxy(demo_server.base_url) as proxy:
+        env = isolated_env(
+            tmp_path,
+            {
+                "ANTHROPIC_BASE_URL": proxy.url + "/anthropic",
+                "ANTHROPIC_AUTH_TOKEN": API_KEY,
+                "CLAUDE_CONFIG_DIR": str(tmp_path / "home" / ".claude"),
+                "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(MAX_OUTPUT_TOKENS),
+                **CLAUDE_CODE_QUIET,
+            },
+        )
+        # dontAsk: a tool not in --allowedTools is refused, not asked about (no one to ask).
+        cmd = [str(claude), "-p", "--output-format", "stream-json", "--verbose"]
+        cmd += ["--no-session-persistence", "--permission-mode", "dontAsk"]
+        cmd += ["--allowedTools", "Read,Glob,Grep", "--", TASK]
+        try:
+            run = run_agent(cmd, project, env, SESSION_TIMEOUT_S, partial(_refused, proxy))
+        finally:
+            save_exchanges(proxy.exchanges, tmp_path / "exchanges.json")
+    print(f"claude session: {run.seconds:.1f} s ({tmp_path}/exchanges.json)")
+    print(describe(proxy.exchanges))
+    assert run.returncode == 0, (
+        f"claude exited {run.returncode}:\n{run.stdout[-3000:]}{run.stderr[-3000:]}"
+    )
+    _all_answered_2xx(proxy, demo_server)
+    round_trip = _tool_round_trip(proxy)
+
+    events = run.events()
+    results = [
+        block
+        for e in events
+        if e.get("type") == "user"
+        for block in e["message"]["content"]
+        if isinstance(block, dict) and block.get("type") == "tool_result"
+    ]
+    reported = {b["tool_use_id"] for b in results}
+    assert reported & round_trip, f"claude reported none of {sorted(round_trip)}: {events}"
+    final = [e for e in events if e.get("type") == "result"]
+    assert final and final[-1]["subtype"] == "success" and not final[-1]["is_error"], final
+    answer = final[-1]["result"]
+    assert isinstance(answer, str) and answer.strip(), f"claude printed no answer: {final[-1]}"
+    print(f"claude answer ({SECRET_WORD in answer=}): {answer[:200]!r}")
