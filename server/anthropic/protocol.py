@@ -120,7 +120,10 @@ ContentBlock = Annotated[
 
 
 class Message(_Request):
-    role: Literal["user", "assistant"]
+    # ``system`` is not in Anthropic's reference, but Claude Code sends one inside
+    # ``messages`` (a reminder after the first user turn): it is read as a system
+    # message in its place rather than refused, so the session needs no retry.
+    role: Literal["user", "assistant", "system"]
     content: str | list[ContentBlock]
 
     @model_validator(mode="before")
@@ -148,11 +151,11 @@ class Message(_Request):
     def _by_role(self) -> Message:
         if isinstance(self.content, str):
             return self
-        allowed = (
-            {"text", "tool_result"}
-            if self.role == "user"
-            else {"text", "tool_use", "thinking", "redacted_thinking"}
-        )
+        allowed = {
+            "user": {"text", "tool_result"},
+            "system": {"text"},
+            "assistant": {"text", "tool_use", "thinking", "redacted_thinking"},
+        }[self.role]
         for block in self.content:
             if block.type not in allowed:
                 raise _format_error(

@@ -1,5 +1,7 @@
 """The Messages API's routes: at DeepSeek's base URL (``/anthropic/v1/...``) and at vLLM's
-paths (``/v1/messages``, ``/v1/messages/count_tokens``), plus ``/anthropic/v1/models``.
+paths (``/v1/messages``, ``/v1/messages/count_tokens``), plus ``/anthropic/v1/models``
+and ``/anthropic/api/hello``, the reachability check Claude Code sends (``HEAD``)
+before its first request when it is pointed at a base URL of its own.
 
 Authentication takes ``x-api-key`` (the SDKs) or ``Authorization: Bearer``
 (Claude Code's ``ANTHROPIC_AUTH_TOKEN``); the ``anthropic-version`` and
@@ -67,6 +69,9 @@ def add_messages_routes(app: FastAPI, ctx: ServingContext) -> None:
         data = [AnthropicModel(id=i, display_name=i, created_at=MODEL_CREATED_AT) for i in ids]
         return AnthropicModelList(data=data, first_id=ids[0], last_id=ids[-1])
 
+    async def hello() -> dict[str, str]:
+        return {}
+
     streamed = {
         200: {
             "model": MessageResponse,
@@ -93,3 +98,5 @@ def add_messages_routes(app: FastAPI, ctx: ServingContext) -> None:
             include_in_schema=in_schema,
         )
     app.add_api_route(f"{BASE}/v1/models", models, methods=["GET"], responses=_ERRORS)
+    # No key needed, as a health check: it says the server is there, nothing more.
+    app.add_api_route(f"{BASE}/api/hello", hello, methods=["GET", "HEAD"], include_in_schema=False)

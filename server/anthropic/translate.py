@@ -122,8 +122,10 @@ def _messages(body: CountTokensRequest) -> list[dict[str, Any]]:
         last = i == len(body.messages) - 1
         if message.role == "user":
             out += _user(message)
+        elif message.role == "system":
+            out.append({"role": "system", "content": _text(message)})
         else:
-            out.append(_assistant(message, prefill=last))
+            out.append(_assistant(message, prefill=last, thinking=body.thinking_on))
     return out
 
 
@@ -153,9 +155,20 @@ def _user(message: AnthropicMessage) -> list[dict[str, Any]]:
     return out
 
 
-def _assistant(message: AnthropicMessage, *, prefill: bool) -> dict[str, Any]:
+def _text(message: AnthropicMessage) -> str:
+    if isinstance(message.content, str):
+        return message.content
+    return "".join(b.text for b in message.content if isinstance(b, TextBlock))
+
+
+def _assistant(message: AnthropicMessage, *, prefill: bool, thinking: bool) -> dict[str, Any]:
     """One assistant message: text, calls and the reasoning of its thinking blocks. The
-    last message of a request, an assistant one, is a prefill the model continues."""
+    last message of a request, an assistant one, is a prefill the model continues.
+
+    With thinking on, a tool-use turn without a thinking block is rendered with empty
+    reasoning, not refused as the chat path refuses a missing ``reasoning_content``:
+    Anthropic's clients drop thinking blocks they were not shown (an empty reasoning
+    streams none) and may drop earlier turns' thinking, which Anthropic's API allows."""
     out: dict[str, Any] = {"role": "assistant"}
     if isinstance(message.content, str):
         out["content"] = message.content
@@ -179,7 +192,7 @@ def _assistant(message: AnthropicMessage, *, prefill: bool) -> dict[str, Any]:
             else:
                 assert isinstance(block, RedactedThinkingBlock)
         out["content"] = [{"type": "text", "text": t} for t in texts] if texts else None
-        if reasoning:
+        if reasoning or (calls and thinking):
             out["reasoning_content"] = "".join(reasoning)
         if calls:
             out["tool_calls"] = calls
