@@ -201,4 +201,6 @@ def _add_api_routes(app: FastAPI, ctx: ServingContext, auth: Callable[..., Any])
             include_in_schema=operation_id is not None,
         )
 
-    add_model_routes(app, settings.served_model_name, auth, _ERRORS)
+    add_model_routes(
+        app, settings.served_model_name, auth, _ERRORS, max_model_len=ctx.engine.max_model_len
+    )
