@@ -444,12 +444,15 @@ def resolve_max_tokens(
     *,
     default: int | None = None,
     prompt_param: str = "messages",
+    max_tokens_param: str = "max_tokens",
 ) -> int:
     """The output budget of ``output_budget`` (engine/api/request_limits.py): a
     ``requested`` beyond the room the prompt leaves is clamped to it, and the choice
     finishes with "length" there. Only a prompt that fills the context is refused,
     with OpenAI's 400 wording. Without ``requested`` it is the room, capped at
-    ``default``."""
+    ``default``. ``max_tokens_param`` (the field the budget came from) no longer
+    names any refusal, since a budget is never at fault; it is accepted so that
+    callers written against the refusing rule keep working."""
     try:
         return output_budget(requested, prompt_tokens, max_model_len, default)
     except RequestError:
