@@ -14,11 +14,13 @@ if TYPE_CHECKING:
 
 NAME = "inspect"
 HELP = (
-    "print parameter counts, KV bytes and layer roles of a config or checkpoint; "
+    "print the context length (max_model_len), parameter counts, KV bytes and layer roles "
+    "of a config or checkpoint; "
     "--plan: its memory plan on N devices"
 )
 
 _SUMMARY = (
+    "max_model_len",
     "params_total",
     "params_backbone",
     "params_engram",
@@ -138,7 +140,12 @@ def report(model: str) -> dict[str, Any]:
     from engine.planning.accounting import account
 
     config = ModelConfig.preset(model)
-    out: dict[str, Any] = {"model": model, **account(config).to_dict()}
+    out: dict[str, Any] = {
+        "model": model,
+        # What `serve` takes as its context without --max-model-len (and /v1/models reports).
+        "max_model_len": config.max_position_embeddings,
+        **account(config).to_dict(),
+    }
     path = Path(model)
     if path.is_dir() and ((path / SINGLE_FILE).exists() or (path / INDEX_FILE).exists()):
         serves_vision = vision_config(config) is not None

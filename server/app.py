@@ -209,6 +209,8 @@ def _add_api_routes(app: FastAPI, ctx: ServingContext, auth: Callable[..., Any])
             include_in_schema=operation_id is not None,
         )
 
-    add_model_routes(app, settings.served_model_name, auth, _ERRORS)
+    add_model_routes(
+        app, settings.served_model_name, auth, _ERRORS, max_model_len=ctx.engine.max_model_len
+    )
     add_messages_routes(app, ctx)
     add_playground_routes(app, enabled=settings.playground)

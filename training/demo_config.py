@@ -18,10 +18,12 @@ DEMO_NAME = "demo"
 DEMO_VOCAB_SIZE = 4096
 # Engram primes start above this (docs/design/architecture.md §1.9): ~4k rows per head and order.
 DEMO_ENGRAM_VOCAB = 4000
-# The engine's max_model_len: room for the tool prompts agent frameworks send.
-# Training saw 256 tokens; RoPE is relative and the SWA layers see 32, so positions past
-# that are a question of quality, measured in docs/QUALITY.md (perplexity at 1K and 8K).
-DEMO_MAX_POSITIONS = 8192
+# The engine's max_model_len: room for a coding agent's first request (its system prompt
+# and tool schemas, up to ~30K demo tokens) plus the 32K output it asks for. Training saw
+# 256 tokens; RoPE is relative, the SWA layers see 32 and the compressed layers' YaRN
+# already spans 65,536 original positions, so positions past 256 are a question of quality,
+# measured in docs/QUALITY.md (bits per byte at 8K to 64K, bench/context_ppl.py --paged).
+DEMO_MAX_POSITIONS = 65536
 
 
 def demo_config(vocab_size: int, compressed_vocab_size: int, pad_token_id: int) -> ModelConfig:

@@ -5,6 +5,12 @@ core's client (``engine/api/core_client.py``) receives the same limits from the
 core process once, at start-up, so a server can check a request in the API
 process (a 400 before any response starts) without a round trip. Every refusal
 is a ``RequestError`` naming the field (``engine/api/errors.py``).
+
+``output_budget`` is the one rule for how many tokens a request may generate
+(docs/design/api.md, "Output length and the context"): every front end sizes
+``max_tokens`` with it, so a client asking for more than the context holds gets
+what fits and a "length" finish, never a refusal, unless its prompt alone fills
+the context.
 """
 
 from __future__ import annotations
@@ -14,6 +20,29 @@ from dataclasses import dataclass
 
 from engine.api.errors import RequestError
 from engine.api.request import Request
+
+
+def output_room(prompt_tokens: int, max_model_len: int) -> int:
+    """Tokens the context has left after the prompt (< 1: the prompt cannot run)."""
+    return max_model_len - prompt_tokens
+
+
+def output_budget(
+    requested: int | None, prompt_tokens: int, max_model_len: int, default: int | None = None
+) -> int:
+    """``max_tokens`` for the engine: ``requested`` (else ``default``, else unbounded)
+    clamped to the room the prompt leaves, so that generation ends with finish reason
+    "length" where the context does. Agents ask a fixed large budget whatever their
+    prompt (32,000 tokens on every turn), and refusing it would fail a turn that
+    fits. Raises ``RequestError`` naming the prompt only when it leaves no room."""
+    room = output_room(prompt_tokens, max_model_len)
+    if room < 1:
+        raise RequestError(
+            "prompt_token_ids",
+            f"{prompt_tokens} tokens leave no room under max_model_len={max_model_len}",
+        )
+    wanted = requested if requested is not None else default
+    return room if wanted is None else min(wanted, room)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +80,7 @@ class RequestLimits:
             raise RequestError(field, "the prompt is empty")
         if any(not 0 <= t < self.vocab_size for t in prompt):
             raise RequestError(field, f"ids must lie in [0, {self.vocab_size})")
-        if len(prompt) >= self.max_model_len:
+        if output_room(len(prompt), self.max_model_len) < 1:
             raise RequestError(
                 field,
                 f"{len(prompt)} tokens leave no room under max_model_len={self.max_model_len}",

@@ -64,7 +64,6 @@ def plan_chat(ctx: ServingContext, body: ChatCompletionRequest, api_key: str | N
         ctx.engine.max_model_len,
         default=default_max_tokens(thinking, ctx.settings.default_max_tokens),
         prompt_param="messages",
-        max_tokens_param="max_completion_tokens" if body.max_completion_tokens else "max_tokens",
     )
     starts_in_reasoning = thinking and ends_inside_reasoning(prompt)
     uses_tools = bool(body.tools) and tool_choice != "none"

@@ -1,7 +1,9 @@
 """``GET /v1/models`` (and ``/models``) and ``GET /v1/models/{model}``.
 
-The answer depends only on the served model name, so a router without an
-engine serves the same routes as a server with one.
+The answer depends only on the served model name and the engine's context
+(``max_model_len``, vLLM's field, the same for every alias: they all route to
+the one model), so a router without an engine serves the same routes as a
+server with one, without the context length it does not know.
 """
 
 # No `from __future__ import annotations`: FastAPI reads the route signatures at runtime.
@@ -20,14 +22,19 @@ def add_model_routes(
     served_model_name: str,
     auth: Callable[..., Awaitable[str | None]],
     responses: dict[int | str, dict[str, Any]] | None = None,
+    *,
+    max_model_len: int | None = None,
 ) -> None:
+    def card(name: str) -> ModelCard:
+        return ModelCard(id=name, max_model_len=max_model_len)
+
     async def list_models(_: Annotated[str | None, Depends(auth)]) -> ModelList:
-        return ModelList(data=[ModelCard(id=name) for name in model_ids(served_model_name)])
+        return ModelList(data=[card(name) for name in model_ids(served_model_name)])
 
     async def retrieve_model(model: str, _: Annotated[str | None, Depends(auth)]) -> ModelCard:
         if model not in model_ids(served_model_name):
             raise APIError(404, "Model Not Exist", param="model")
-        return ModelCard(id=model)
+        return card(model)
 
     for path, schema in (("/v1/models", True), ("/models", False)):
         app.add_api_route(

@@ -26,6 +26,8 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from engine.api.errors import RequestError
+from engine.api.request_limits import output_budget
 from engine.api.sampling_params import MAX_TOP_LOGPROBS
 from server.chat.tool_schemas import check_tool_schemas
 from server.http.errors import APIError
@@ -442,33 +444,22 @@ def resolve_max_tokens(
     *,
     default: int | None = None,
     prompt_param: str = "messages",
-    max_tokens_param: str = "max_tokens",
 ) -> int:
-    """The output budget, checked against the context window (OpenAI's 400 wording).
-
-    Without ``requested`` it is the rest of the context, capped at ``default``.
-    """
-    room = max_model_len - prompt_tokens
-    if room < 1:
+    """The output budget of ``output_budget`` (engine/api/request_limits.py): a
+    ``requested`` beyond the room the prompt leaves is clamped to it, and the choice
+    finishes with "length" there. Only a prompt that fills the context is refused,
+    with OpenAI's 400 wording. Without ``requested`` it is the room, capped at
+    ``default``."""
+    try:
+        return output_budget(requested, prompt_tokens, max_model_len, default)
+    except RequestError:
         raise APIError(
             400,
             f"This model's maximum context length is {max_model_len} tokens. However, your "
             f"{prompt_param} resulted in {prompt_tokens} tokens. Please reduce the length of "
             f"the {prompt_param}.",
             param=prompt_param,
-        )
-    if requested is None:
-        return room if default is None else min(room, default)
-    if requested > room:
-        raise APIError(
-            400,
-            f"This model's maximum context length is {max_model_len} tokens. However, you "
-            f"requested {prompt_tokens + requested} tokens ({prompt_tokens} in the "
-            f"{prompt_param}, {requested} in the completion). Please reduce the length of the "
-            f"{prompt_param} or completion.",
-            param=max_tokens_param,
-        )
-    return requested
+        ) from None
 
 
 # ---------------------------------------------------------------- responses
@@ -695,6 +686,9 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = 0
     owned_by: str = "deepseek"
+    # vLLM's field: prompt plus output tokens one request may hold, so a client can size
+    # its prompts and its compaction. None where no engine is known (a router).
+    max_model_len: int | None = None
 
 
 class ModelList(BaseModel):

@@ -74,9 +74,6 @@ def demo_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer
         yield LiveServer(running.rstrip("/"), tmp / "no-log")
         return
     args = ["--model", "demo", "--api-key", API_KEY, "--kv-cache-bytes", str(KV_CACHE_BYTES)]
-    # Until the demo's default context holds an agent's first request (OpenCode's is
-    # ~11.4K demo tokens, Claude Code's 18.5K-30K): remove once the default is 65,536.
-    args += ["--max-model-len", "65536"]
     server = spawn_server(tmp / "cache", tmp / "server.log", args)
     wait_ready(server)
     try:

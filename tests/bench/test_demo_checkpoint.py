@@ -1,5 +1,5 @@
 """The committed demo checkpoint (models/demo): loads, round-trips through the writer,
-matches the code's demo config and tokenizer, keeps its greedy output, and serves 8K
+matches the code's demo config and tokenizer, keeps its greedy output, and serves 64K
 tokens of context.
 
 The pinned continuations are the trained model's greedy output under the
@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.api.errors import RequestError
 from engine.api.request import Request
 from engine.api.sampling_params import SamplingParams
 from engine.config import EngineConfig
@@ -35,7 +36,7 @@ from training.demo_config import demo_checkpoint_dir, demo_config
 DEMO = demo_checkpoint_dir()
 MAX_BYTES = 25 << 20
 NEW_TOKENS = 8
-CONTEXT = 8192  # room for the tool prompts agent frameworks send
+CONTEXT = 65536  # a coding agent's ~30K-token first request plus the 32K output it asks for
 
 COMPLETION = "<｜begin▁of▁sentence｜>To be, or not to be"
 PINNED_COMPLETION = [210, 422, 316, 270, 452, 25, 210, 210]
@@ -84,15 +85,19 @@ def test_checkpoint_is_small_and_matches_the_demo_config(demo) -> None:
     assert [config.role(l) for l in range(8)] == [tiny.role(l) for l in range(8)]
 
 
-def test_context_is_8k_in_the_config_the_tokenizer_and_the_engine(demo) -> None:
+def test_context_is_64k_in_the_config_the_tokenizer_and_the_engine(demo) -> None:
     config, model, tokenizer = demo
     assert config.max_position_embeddings == CONTEXT
     tok_config = json.loads((DEMO / "tokenizer_config.json").read_text(encoding="utf-8"))
     assert tok_config["model_max_length"] == CONTEXT
-    engine = engine_for_model(
-        EngineConfig(kv_cache_bytes=8 << 20, max_num_seqs=1), model, tokenizer=tokenizer
-    )
+    # The default KV budget (1 GiB) must hold a whole context: 534 bytes a token here.
+    engine = engine_for_model(EngineConfig(max_num_seqs=1), model, tokenizer=tokenizer)
     assert engine.max_model_len == CONTEXT
+    # Admission (no forward): the longest prompt with room for one token is accepted, one
+    # more is refused, so the limit is the context and not the page pool.
+    engine.validate(Request("longest", [5] * (CONTEXT - 1)))
+    with pytest.raises(RequestError, match="no room"):
+        engine.validate(Request("too-long", [5] * CONTEXT))
     # A prompt past the old 1,024-position limit is served (prefill and one decode step).
     text = "To be, or not to be, that is the question:\n" * 100
     ids = tokenizer.encode(text, add_special_tokens=False).ids

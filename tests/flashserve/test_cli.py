@@ -35,7 +35,21 @@ def _check_official(data: dict) -> None:
 
 
 def test_inspect_official_json(capsys: pytest.CaptureFixture[str]) -> None:
-    _check_official(_inspect_json(capsys, "official"))
+    data = _inspect_json(capsys, "official")
+    _check_official(data)
+    assert data["max_model_len"] == 1_048_576  # the release's max_position_embeddings
+
+
+def test_inspect_prints_the_context_serve_defaults_to(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    demo = Path(__file__).resolve().parents[2] / "models" / "demo"
+    written = json.loads((demo / "config.json").read_text(encoding="utf-8"))["text_config"]
+    assert _inspect_json(capsys, str(demo))["max_model_len"] == written["max_position_embeddings"]
+    for model in ("tiny", str(demo)):  # both serve a coding agent's 64K by default
+        assert main(["inspect", model]) == 0
+        rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("max_model_len")]
+        assert len(rows) == 1 and rows[0].split()[1] == "65,536", rows
 
 
 def test_inspect_tiny_table(capsys: pytest.CaptureFixture[str]) -> None:

@@ -197,6 +197,8 @@ def test_the_router_authenticates_before_any_worker_is_called() -> None:
     assert reply.status_code == 401 and reply.json()["error"]["type"] == "authentication_error"
     assert workers.calls == []
     assert "deepseek-flash" in {m["id"] for m in models["data"]}
+    # The router has no engine: it does not claim a context length it does not know.
+    assert {m["max_model_len"] for m in models["data"]} == {None}
 
 
 def test_a_conversation_stays_on_its_workers_while_another_may_move() -> None:

@@ -451,13 +451,16 @@ def test_completion_message_shapes() -> None:
     }
     plain = json.loads(ResponseMessage(content="hi").model_dump_json())
     assert plain == {"role": "assistant", "content": "hi"}
-    models = ModelList(data=[ModelCard(id=i) for i in model_ids()])
+    models = ModelList(data=[ModelCard(id=i, max_model_len=65536) for i in model_ids()])
     assert json.loads(models.model_dump_json())["data"][0] == {
         "id": "deepseek-flash",
         "object": "model",
         "created": 0,
         "owned_by": "deepseek",
+        "max_model_len": 65536,
     }
+    # Where no engine is known (the split deployment's router) the field is null.
+    assert json.loads(ModelCard(id="deepseek-flash").model_dump_json())["max_model_len"] is None
 
 
 def test_response_schemas_keep_their_fields_for_openapi() -> None:
@@ -470,13 +473,15 @@ def test_max_tokens_against_the_context() -> None:
     assert resolve_max_tokens(None, prompt_tokens=100, max_model_len=1000) == 900
     assert resolve_max_tokens(None, prompt_tokens=100, max_model_len=1000, default=64) == 64
     assert resolve_max_tokens(900, prompt_tokens=100, max_model_len=1000) == 900
+    # Past the room: clamped to it (the choice then finishes with "length"), not refused.
+    assert resolve_max_tokens(901, prompt_tokens=100, max_model_len=1000) == 900
+    assert resolve_max_tokens(32000, prompt_tokens=999, max_model_len=1000) == 1
     with pytest.raises(APIError) as info:
-        resolve_max_tokens(901, prompt_tokens=100, max_model_len=1000)
-    assert (info.value.status, info.value.param) == (400, "max_tokens")
+        resolve_max_tokens(1, prompt_tokens=1000, max_model_len=1000)
+    assert (info.value.status, info.value.param) == (400, "messages")
     assert info.value.message == (
-        "This model's maximum context length is 1000 tokens. However, you requested 1001 "
-        "tokens (100 in the messages, 901 in the completion). Please reduce the length of the "
-        "messages or completion."
+        "This model's maximum context length is 1000 tokens. However, your messages "
+        "resulted in 1000 tokens. Please reduce the length of the messages."
     )
     with pytest.raises(APIError) as info:
         resolve_max_tokens(None, prompt_tokens=1000, max_model_len=1000, prompt_param="prompt")
