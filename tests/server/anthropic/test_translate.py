@@ -176,6 +176,79 @@ def test_thinking_blocks_are_the_reasoning_passed_back() -> None:
     assert off.thinking is not None and off.thinking.type == "disabled"
 
 
+def test_a_tool_use_turn_without_its_thinking_renders_empty_reasoning() -> None:
+    """Claude Code does not pass back a thinking block it was never shown (an empty
+    reasoning streams none): the turn renders as the chat path's empty reasoning, where
+    the chat path itself refuses a missing ``reasoning_content`` (DeepSeek's rule)."""
+    turn = {
+        "role": "assistant",
+        "content": [{"type": "tool_use", "id": "t1", "name": "read", "input": {"path": "a"}}],
+    }
+    body = {
+        "thinking": {"type": "adaptive"},
+        "tools": [{"name": "read", "input_schema": SCHEMA}],
+        "messages": [
+            {"role": "user", "content": "Open a"},
+            turn,
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1"}]},
+        ],
+    }
+    anthropic = _translate({"model": SERVED, **body})
+    chat_messages: list[dict[str, Any]] = [
+        {"role": "user", "content": "Open a"},
+        {
+            "role": "assistant",
+            "reasoning_content": "",
+            "tool_calls": [{"id": "t1", "function": {"name": "read", "arguments": {"path": "a"}}}],
+        },
+        {"role": "tool", "tool_call_id": "t1", "content": ""},
+    ]
+    tools = [{"function": {"name": "read", "parameters": SCHEMA}}]
+    chat = _chat({"messages": chat_messages, "tools": tools, "thinking": {"type": "enabled"}})
+    assert _prompt(anthropic) == _prompt(chat)
+    with pytest.raises(APIError, match="must be passed back"):
+        del chat_messages[1]["reasoning_content"]
+        _prompt(_chat({"messages": chat_messages, "tools": tools, "thinking": {"type": "enabled"}}))
+    # Thinking off: no reasoning is invented.
+    off = _translate({"model": SERVED, **body, "thinking": {"type": "disabled"}})
+    assert off.messages[1].reasoning_content is None
+
+
+def test_a_system_message_inside_messages_is_a_system_turn_in_place() -> None:
+    """Claude Code sends ``role: system`` inside ``messages``: it renders as the chat
+    path's system message at the same place."""
+    anthropic = _translate(
+        {
+            "model": SERVED,
+            "system": "Be brief.",
+            "messages": [
+                {"role": "user", "content": "Hi"},
+                {"role": "system", "content": [{"type": "text", "text": "Reminder."}]},
+                {"role": "user", "content": "Again"},
+            ],
+        }
+    )
+    chat = _chat(
+        {
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Hi"},
+                {"role": "system", "content": "Reminder."},
+                {"role": "user", "content": "Again"},
+            ]
+        }
+    )
+    assert _prompt(anthropic) == _prompt(chat)
+    assert "cannot hold a 'tool_result' block" in _refusal(
+        {
+            "messages": [
+                {"role": "system", "content": [{"type": "tool_result", "tool_use_id": "t"}]},
+                {"role": "user", "content": "x"},
+            ]
+        }
+    )
+
+
 @pytest.mark.parametrize(
     ("choice", "expected", "parallel"),
     [
