@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Generic, Hashable, TypeVar
+from typing import Generic, TypeVar
 
 T = TypeVar("T")
 

@@ -631,7 +631,8 @@ def test_a_heavy_schema_compiled_cached_and_sent_three_at_once_stalls_no_stream(
         assert content.startswith('{"p0":"') or '{"p0":"'.startswith(content), content
     print(
         f"heavy schema x5: worst stream gap {stream.worst:.3f} s over {stream.events} events,"
-        f" worst /health {probe.worst:.3f} s, RSS MiB {rss_before} -> {_engine_rss_mib(grammar_server)}"
+        f" worst /health {probe.worst:.3f} s,"
+        f" RSS MiB {rss_before} -> {_engine_rss_mib(grammar_server)}"
     )
     assert stream.events > 5, stream.events  # it kept decoding throughout
     assert stream.worst < MAX_STREAM_GAP_S, stream.worst
