@@ -622,8 +622,9 @@ def test_a_heavy_schema_compiled_cached_and_sent_three_at_once_stalls_no_stream(
     """The 6 KB schema of 61 counted-repetition patterns once stopped every other stream
     for 14 s (its compiled grammar was pickled to the engine core: 309 MB, 24 s), and three
     at once left /health unanswered for 30 s. Now a running stream's longest wait
-    between two events stays under 1 s while it compiles, while it is served from the
-    cache, and while three copies arrive at once; each answers 200 with JSON that has
+    between two events stays under 1 s (``STALL_STEPS`` of its own median step on a
+    machine loaded past that) while it compiles, while it is served from the cache,
+    and while three copies arrive at once; each answers 200 with JSON that has
     all 61 properties or is cut by max_tokens; /health stays under 1 s."""
     body = chat(response_format=schema_format(HEAVY_SCHEMA), max_tokens=4)
     _cache_the_prompt_of(grammar_server, body)
