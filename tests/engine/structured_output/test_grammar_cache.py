@@ -197,3 +197,17 @@ def test_grammar_threads_run_nicer_than_the_step_loop(tokenizer) -> None:
     assert nice.result(10) == min(19, base + GRAMMAR_NICENESS)
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base
     manager.close()
+
+
+def test_warm_builds_the_vocabulary_view_before_any_spec(tokenizer) -> None:
+    """An engine about to serve calls ``warm`` (engine/loader/builder.py): the first
+    spec then finds the compiler ready instead of building it while streams run."""
+    manager = StructuredOutputManager(tokenizer, VOCAB, EOS)
+    assert manager._compiler is None
+    manager.warm()
+    manager._workers().submit(lambda: None).result(60)  # queued after the warm-up
+    deadline = time.monotonic() + 60
+    while manager._compiler is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert manager._compiler is not None
+    manager.close()
