@@ -200,6 +200,15 @@ class EngineConfig:
         default=2,
         metadata={"group": "limits", "help": "grammar compilations at once (default %(default)s)"},
     )
+    # The issue-sized heavy schema (61 counted-repetition patterns) compiles to 34.5 MB,
+    # 200 of them to 113 MB; the default admits the first with room and refuses the second.
+    max_grammar_bytes: int = field(
+        default=64 << 20,
+        metadata={
+            "group": "limits",
+            "help": "bytes one compiled grammar may take; larger: 400 (default %(default)s)",
+        },
+    )
 
     def __post_init__(self) -> None:
         for name in (
@@ -210,6 +219,7 @@ class EngineConfig:
             "kv_cache_bytes",
             "grammar_cache_bytes",
             "grammar_workers",
+            "max_grammar_bytes",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")

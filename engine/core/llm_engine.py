@@ -146,7 +146,10 @@ class LLMEngine:
                 vocab_size,
                 1 if eos_token_id is None else eos_token_id,
                 GrammarLimits(
-                    config.grammar_timeout_s, config.grammar_cache_bytes, config.grammar_workers
+                    config.grammar_timeout_s,
+                    config.grammar_cache_bytes,
+                    config.grammar_workers,
+                    config.max_grammar_bytes,
                 ),
             )
         self.grammars = grammars

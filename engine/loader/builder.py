@@ -111,14 +111,16 @@ def engine_for_model(
             sizes=config.cuda_graph_sizes,
         )
         runner = PagedModelRunner(model, pages, config.max_num_seqs, graphs)
-    return LLMEngine(
-        config,
-        runner,
-        kv,
-        model_config=mc,
-        tokenizer=tokenizer,
-        eos_token_id=eos_token_id,
-        encoder_only=model.encoder_only,
+    return _warmed(
+        LLMEngine(
+            config,
+            runner,
+            kv,
+            model_config=mc,
+            tokenizer=tokenizer,
+            eos_token_id=eos_token_id,
+            encoder_only=model.encoder_only,
+        )
     )
 
 
@@ -152,13 +154,15 @@ def build_parallel_engine(config: EngineConfig, model: str | Path) -> LLMEngine:
     own = path / TOKENIZER_FILE
     tokenizer = load_tokenizer(own if own.is_file() else None)
     torch.manual_seed(config.seed)
-    return LLMEngine(
-        config,
-        runner,
-        kv,
-        model_config=mc,
-        tokenizer=tokenizer,
-    )
+    return _warmed(LLMEngine(config, runner, kv, model_config=mc, tokenizer=tokenizer))
+
+
+def _warmed(engine: LLMEngine) -> LLMEngine:
+    """An engine about to serve builds its grammar vocabulary now, in the grammar pool,
+    rather than while the first spec's request and every other stream run."""
+    if engine.grammars is not None and not engine.encoder_only:
+        engine.grammars.warm()
+    return engine
 
 
 def _tiny_model(config: EngineConfig) -> CausalLM:

@@ -19,15 +19,22 @@ grammar, except ``GRAMMAR_MARKERS``, which the formats use; EOS is allowed only
 once the grammar is complete.
 
 Compilation runs in a pool of its own (xgrammar releases the GIL while it
-compiles), bounded by ``GrammarLimits.timeout_s``; compiled grammars stay in
-xgrammar's cache, an LRU bounded in bytes and keyed by the structural tag, so a
-spec seen again compiles in microseconds. The vocabulary view is built once, in
-the pool, on the first spec: an engine that never sees one never pays for it.
+compiles), bounded by ``GrammarLimits.timeout_s``, in threads at a lower CPU
+priority than the step loop's; a compiled grammar larger than
+``GrammarLimits.max_bytes`` is refused (a 400 naming the limit). Compiled grammars
+stay in the engine's ``GrammarCache``, an LRU bounded in bytes and keyed by the
+spec, so a spec seen again costs a dictionary look-up. The vocabulary view is
+built once, in the pool (``warm`` at engine start; else on the first spec); it is
+read token by token so that no single call holds the GIL for long, which would
+stop the step loop's thread.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
+import os
 import re
 import threading
 import time
@@ -51,6 +58,9 @@ from xgrammar.structural_tag import (
 from engine.api.errors import GrammarError
 from engine.api.sampling_params import StructuredOutputSpec
 from engine.api.special_tokens import GRAMMAR_MARKERS, THINK_END, THINK_START
+from engine.structured_output.grammar_cache import GrammarCache
+
+logger = logging.getLogger(__name__)
 
 # JSON output is compact: xgrammar's own JSON grammar without whitespace.
 JSON_SEPARATORS = (",", ":")
@@ -59,6 +69,9 @@ JSON_SEPARATORS = (",", ":")
 # spend its whole budget on blanks and leave the call cut.
 MAX_TOOL_CALL_WHITESPACE = 1
 XGRAMMAR_MODEL = "deepseek_v4_1"  # xgrammar's built-in V4.1 calls-block format
+# Grammar threads run this much nicer than the step loop: on a busy machine the
+# loop's thread gets the CPU first and a compilation takes longer instead.
+GRAMMAR_NICENESS = 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,9 +81,10 @@ class GrammarLimits:
     timeout_s: float = 10.0  # one compilation, wall time, queueing included
     cache_bytes: int = 256 << 20  # compiled grammars kept (LRU)
     workers: int = 2  # compilations at once
+    max_bytes: int = 64 << 20  # one compiled grammar; larger: a 400
 
     def __post_init__(self) -> None:
-        if not self.timeout_s > 0 or min(self.cache_bytes, self.workers) < 1:
+        if not self.timeout_s > 0 or min(self.cache_bytes, self.workers, self.max_bytes) < 1:
             raise ValueError("GrammarLimits: every limit must be positive")
 
 
@@ -89,11 +103,12 @@ def clean_grammar_error(exc: BaseException) -> str:
 def grammar_tokenizer_info(
     tokenizer: Tokenizer, *, vocab_size: int, eos_token_id: int
 ) -> xgr.TokenizerInfo:
-    """xgrammar's view of a byte-level BPE vocabulary with the added tokens masked."""
-    encoded = [""] * vocab_size  # "" = never produced under a grammar
-    for token, token_id in tokenizer.get_vocab(with_added_tokens=True).items():
-        if token_id < vocab_size:
-            encoded[token_id] = token
+    """xgrammar's view of a byte-level BPE vocabulary with the added tokens masked.
+
+    Read one token at a time: ``get_vocab`` builds the whole dictionary in one call
+    that holds the GIL for 0.3-0.4 s (1.5 s on a loaded machine), long enough to
+    stop every stream of the engine whose thread is waiting for it."""
+    encoded = [tokenizer.id_to_token(i) or "" for i in range(vocab_size)]  # "": never
     for token_id, added in tokenizer.get_added_tokens_decoder().items():
         if token_id < vocab_size and added.content not in GRAMMAR_MARKERS:
             encoded[token_id] = ""
@@ -244,13 +259,28 @@ class StructuredOutputManager:
     _compiler: xgr.GrammarCompiler | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _pool: ThreadPoolExecutor | None = None
+    _cache: GrammarCache[xgr.CompiledGrammar] | None = None
+
+    def __post_init__(self) -> None:
+        self._cache = GrammarCache(self.limits.cache_bytes, remembered=(GrammarError,))
 
     def submit(self, spec: StructuredOutputSpec) -> XGrammarJob:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.limits.workers, thread_name_prefix="grammar")
-        future = self._pool.submit(self._compile, spec)
+        future = self._workers().submit(self._compile, spec)
         timeout = self.limits.timeout_s
         return XGrammarJob(spec, future, self.clock() + timeout, timeout, self.vocab_size)
+
+    def warm(self) -> None:
+        """Build the vocabulary view now, in the pool (an engine about to serve: the
+        first spec then does not pay for it while other streams run)."""
+        self._workers().submit(self._grammar_compiler)
+
+    def _workers(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(
+                    self.limits.workers, thread_name_prefix="grammar", initializer=_lower_priority
+                )
+            return self._pool
 
     def matcher_now(self, spec: StructuredOutputSpec) -> XGrammarMatcher:
         """Compile ``spec`` (bounded by the timeout) and return a matcher: for tools and
@@ -262,12 +292,27 @@ class StructuredOutputManager:
         return job.matcher()
 
     def _compile(self, spec: StructuredOutputSpec) -> xgr.CompiledGrammar:
+        # The prefix is the matchers' business (``XGrammarJob.matcher``): specs that
+        # differ only there share one grammar.
+        key = dataclasses.replace(spec, prefix="", prefix_param="")
+        assert self._cache is not None
+        return self._cache.get(key, lambda: self._build(spec), _grammar_bytes)
+
+    def _build(self, spec: StructuredOutputSpec) -> xgr.CompiledGrammar:
         tag = structural_tag(spec)
         try:
-            return self._grammar_compiler().compile_structural_tag(tag)
+            compiled = self._grammar_compiler().compile_structural_tag(tag)
         except Exception as exc:  # xgrammar raises several types for a bad schema
             message = f"{spec.param}: cannot build a grammar: {clean_grammar_error(exc)}"
             raise GrammarError(message, param=spec.param) from exc
+        size, limit = _grammar_bytes(compiled), self.limits.max_bytes
+        if size > limit:
+            raise GrammarError(
+                f"{spec.param}: the compiled grammar takes {size} bytes, more than this "
+                f"server's limit of {limit} bytes (--max-grammar-bytes); simplify the schema",
+                param=spec.param,
+            )
+        return compiled
 
     def _grammar_compiler(self) -> xgr.GrammarCompiler:
         with self._lock:
@@ -275,15 +320,28 @@ class StructuredOutputManager:
                 info = grammar_tokenizer_info(
                     self.tokenizer, vocab_size=self.vocab_size, eos_token_id=self.eos_token_id
                 )
+                # The engine's GrammarCache keeps what is compiled (keyed by the spec).
                 self._compiler = xgr.GrammarCompiler(
-                    info, max_threads=self.max_threads, cache_limit_bytes=self.limits.cache_bytes
+                    info, max_threads=self.max_threads, cache_enabled=False
                 )
             return self._compiler
 
     def cache_bytes_used(self) -> int:
-        """Bytes of compiled grammars xgrammar's cache holds now."""
-        return 0 if self._compiler is None else int(self._compiler.get_cache_size_bytes())
+        """Bytes of compiled grammars (and remembered refusals) the cache holds now."""
+        return 0 if self._cache is None else self._cache.used_bytes
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _grammar_bytes(compiled: xgr.CompiledGrammar) -> int:
+    return int(compiled.memory_size_bytes)
+
+
+def _lower_priority() -> None:
+    """A grammar thread's initializer: nicer than the step loop (Linux: per thread)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), GRAMMAR_NICENESS)
+    except (AttributeError, OSError) as exc:  # not Linux, or not permitted
+        logger.debug("grammar threads keep the engine's priority: %s", exc)

@@ -62,8 +62,8 @@ class Handover:
             pages = tuple(int(p) for p in raw["pages"])
             hits = tuple(int(h) for h in raw.get("hit_tokens", ()))
             published_at = float(raw["published_at"])
-        except (ValueError, TypeError, KeyError, AttributeError):
-            return None
+        except (ValueError, TypeError, KeyError, AttributeError, OverflowError):
+            return None  # OverflowError: a page count of 1e400 (int(inf))
         if any(n < 0 for n in pages + hits) or not math.isfinite(published_at):
             return None
         return cls(pages, published_at, hits)

@@ -43,6 +43,7 @@ OPTIONS = " ".join(
         "--price-file --max-sequences-per-request --max-concurrent-sequences",
         "--preprocess-workers --preprocess-timeout --grammar-timeout",
         "--max-grammar-schema-bytes --grammar-cache-bytes --grammar-workers",
+        "--max-grammar-bytes",
         "--health-stall-timeout --header-timeout --body-timeout --shutdown-timeout",
         "--prefill-url --decode-url --prefill-timeout --decode-timeout --routing",
         "--affinity-slack --publish-timeout --in-process-engine --max-num-seqs",
@@ -88,6 +89,7 @@ ENGINE_DEFAULTS = {
     "grammar_timeout_s": 10.0,
     "grammar_cache_bytes": 256 << 20,
     "grammar_workers": 2,
+    "max_grammar_bytes": 64 << 20,
 }
 
 SERVER_DEFAULTS = {
@@ -302,6 +304,7 @@ def test_limit_flags_and_zero_means_no_limit() -> None:
         *("--preprocess-workers", "2", "--preprocess-timeout", "5"),
         *("--grammar-timeout", "1.5", "--max-grammar-schema-bytes", "100"),
         *("--grammar-cache-bytes", "1000", "--grammar-workers", "3"),
+        *("--max-grammar-bytes", "5000"),
         *("--health-stall-timeout", "4", "--body-timeout", "3"),
     )
     assert _settings(*argv) == {
@@ -317,7 +320,7 @@ def test_limit_flags_and_zero_means_no_limit() -> None:
     # The grammar limits are the engine's: it compiles the grammars.
     engine = _engine(*argv)
     assert (engine["grammar_timeout_s"], engine["grammar_cache_bytes"]) == (1.5, 1000)
-    assert engine["grammar_workers"] == 3
+    assert (engine["grammar_workers"], engine["max_grammar_bytes"]) == (3, 5000)
     assert _settings("--max-concurrent-sequences", "300")["max_concurrent_sequences"] == 300
 
 

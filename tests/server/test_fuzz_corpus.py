@@ -95,6 +95,109 @@ COMPLETION = {
 }
 
 
+def _chat(**fields: Any) -> dict:
+    body: dict = {"model": "deepseek-chat", "messages": [{"role": "user", "content": "hi"}]}
+    return {**body, "max_tokens": 3, **fields}
+
+
+def _tool(parameters: Any) -> list[dict]:
+    return [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
+
+
+def _required_string(name: str, **extra: Any) -> dict:
+    return {
+        "type": "object",
+        "properties": {name: {"type": "string", **extra}},
+        "required": [name],
+    }
+
+
+HEAVY_PATTERN = "^(a|b|c|d|e|f|g|h){1,50}(x|y|z){2,40}[0-9]{3,30}$"
+FORCED = {"tool_choice": "required", "parallel_tool_calls": False}
+# The request bodies of the findings of docs/design/hardening.md's third round: each was
+# a stall, a 500, a cut stream or a schema-invalid answer. (The price and flag findings
+# are settings, refused at start-up: tests/flashserve/test_serve_cmd.py.)
+ONCE_BROKE: list[tuple[str, str, dict]] = [
+    (
+        "61 heavy patterns (a 14 s stall)",
+        "/v1/chat/completions",
+        _chat(
+            response_format={
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "o",
+                    "schema": {
+                        "type": "object",
+                        "properties": {
+                            f"p{i}": {"type": "string", "pattern": HEAVY_PATTERN} for i in range(61)
+                        },
+                        "required": [f"p{i}" for i in range(61)],
+                    },
+                },
+            }
+        ),
+    ),
+    (
+        'a property named a"b',
+        "/v1/chat/completions",
+        _chat(tools=_tool(_required_string('a"b')), **FORCED),
+    ),
+    (
+        "a property named c>d",
+        "/v1/chat/completions",
+        _chat(tools=_tool(_required_string("c>d")), **FORCED),
+    ),
+    (
+        "the close tag as an enum value",
+        "/v1/chat/completions",
+        _chat(tools=_tool(_required_string("q", enum=["</｜DSML｜ parameter>"])), **FORCED),
+    ),
+    (
+        "non-object parameters",
+        "/v1/chat/completions",
+        _chat(tools=_tool({"type": "string"}), **FORCED),
+    ),
+    ("a 5,000-digit logit_bias key", "/v1/chat/completions", _chat(logit_bias={"9" * 5000: 1})),
+    (
+        "a 5,000-digit logit_bias key",
+        "/v1/completions",
+        {"model": "deepseek-chat", "prompt": "a", "logit_bias": {"9" * 5000: 1}},
+    ),
+    (
+        "a forced call cut by max_tokens",
+        "/v1/chat/completions",
+        _chat(tools=_tool(_required_string("q")), max_tokens=4, **FORCED),
+    ),
+    (
+        "a streamed forced call cut by max_tokens",
+        "/v1/chat/completions",
+        _chat(tools=_tool(_required_string("q")), max_tokens=4, stream=True, **FORCED),
+    ),
+    (
+        "streamed chat with prompt_logprobs",
+        "/v1/chat/completions",
+        _chat(stream=True, prompt_logprobs=1),
+    ),
+]
+
+
+def test_the_bodies_that_once_broke_the_server_are_answered_whole(live_server: LiveServer) -> None:
+    """Each is a 200 or a 4xx in the error shape; a stream ends with ``[DONE]``."""
+    with httpx.Client(base_url=live_server.base_url, headers=HEADERS, timeout=120) as client:
+        for name, route, body in ONCE_BROKE:
+            r = client.post(route, content=json.dumps(body))
+            assert r.status_code < 500, (name, r.text, live_server.log_tail())
+            if r.status_code >= 400:
+                error = r.json()["error"]
+                assert set(error) == {"message", "type", "param", "code"}, name
+            elif body.get("stream"):
+                events = [line for line in r.text.splitlines() if line.startswith("data: ")]
+                assert events[-1] == "data: [DONE]", (name, events[-3:])
+            else:
+                assert r.json()["choices"], name
+        assert client.get("/health").status_code == 200
+
+
 def leaves(value: Any, path: tuple = ()) -> Iterator[tuple]:
     if isinstance(value, dict):
         for key, item in value.items():

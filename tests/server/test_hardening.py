@@ -505,3 +505,183 @@ def test_shutdown_ends_open_requests_with_their_error_not_a_cut_body(
     assert "shutting down" in assert_error(plain["r"], 503)
     log = server.log_path.read_text(errors="replace")
     assert "Traceback" not in log and "CancelledError" not in log, log[-3000:]
+
+
+# ------------------------------------------------------------ heavy grammars stall no one
+
+HEAVY_PATTERN = "^(a|b|c|d|e|f|g|h){1,50}(x|y|z){2,40}[0-9]{3,30}$"
+HEAVY_SCHEMA = {
+    "type": "object",
+    "properties": {f"p{i}": {"type": "string", "pattern": HEAVY_PATTERN} for i in range(61)},
+    "required": [f"p{i}" for i in range(61)],
+}
+MAX_STREAM_GAP_S = 1.0
+# On a machine so loaded that the stream alone already steps slowly (other processes
+# on the two cores: a median gap of 0.5 s was seen), a stall is a gap this many times
+# its own median step, not 1 s of wall time.
+STALL_STEPS = 4
+# The heavy schema compiles to 34.5 MB, 72 of its patterns to 40.7 MB: a cap between.
+GRAMMAR_CAP = 36 << 20
+
+
+class StreamGaps:
+    """A streamed completion read in a thread: ``worst`` is the longest wait between two
+    of its events while ``measuring`` (seconds)."""
+
+    def __init__(self, server: LiveServer) -> None:
+        body = {"model": "deepseek-chat", "prompt": "a", "max_tokens": 16000, "stream": True}
+        body["logit_bias"] = {"1": -100}  # no EOS: it runs until closed
+        self.client, self.response, self.lines = _open_stream(server, body)
+        self.worst, self.events, self.measuring = 0.0, 0, False
+        self.before: list[float] = []  # gaps before ``measuring``: the stream's own pace
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._read()
+        except httpx.HTTPError:
+            if not self._stop.is_set():  # closed by ``close``: expected
+                raise
+
+    def _read(self) -> None:
+        last = time.monotonic()
+        for line in self.lines:
+            now = time.monotonic()
+            if self.measuring and line.startswith("data: "):
+                self.worst = max(self.worst, now - last)
+                self.events += 1
+            elif line.startswith("data: "):
+                self.before.append(now - last)
+            if line.startswith("data: "):
+                last = now
+            if self._stop.is_set():
+                return
+
+    def close(self) -> None:
+        self._stop.set()
+        self.response.close()
+        self.client.close()
+        self._thread.join(10)
+
+
+def _engine_rss_mib(server: LiveServer) -> dict[str, float]:
+    """Resident MiB of the API process and each of its children (the engine core)."""
+    assert server.proc is not None
+    pids = [server.proc.pid]
+    children = Path(f"/proc/{server.proc.pid}/task/{server.proc.pid}/children")
+    if children.exists():
+        pids += [int(p) for p in children.read_text().split()]
+    out = {}
+    for pid in pids:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                out[str(pid)] = int(line.split()[1]) / 1024
+    return out
+
+
+@pytest.fixture(scope="module")
+def grammar_server(
+    tiny_cache: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LiveServer]:
+    """Room for the heavy schema's prompt (it holds the schema); two running sequences,
+    the stream and one heavy request (the others wait, their grammars compiling)."""
+    tmp = tmp_path_factory.mktemp("grammar")
+    args = ["--model", "tiny", "--api-key", API_KEY, "--max-model-len", "16384"]
+    args += ["--max-num-seqs", "2", "--kv-cache-bytes", str(64 << 20), "--quantization", "none"]
+    args += ["--kv-dir", str(tmp / "kv"), "--max-grammar-bytes", str(GRAMMAR_CAP)]
+    args += ["--grammar-timeout", "60"]  # a loaded CPU compiles slowly; the cap is tested
+    with served(tiny_cache, tmp, args) as server:
+        yield server
+
+
+def _cache_the_prompt_of(server: LiveServer, body: dict) -> None:
+    """Prefill ``body``'s chat prompt (which holds its schema, 3,535 tokens) as a plain
+    completion, without a grammar: the stall test then measures the grammar's work, not
+    a long prefill's (which takes seconds of CPU on the tiny model whatever the schema)."""
+    from server.chat.chat_encoding import BOS, encode_chat
+    from server.openai.protocol import ChatCompletionRequest, reasoning_budget
+
+    request = ChatCompletionRequest.model_validate(body)
+    prompt = encode_chat(
+        request.messages,
+        thinking=False,
+        reasoning_effort=reasoning_budget(None),
+        response_format=request.response_format,
+    )
+    assert prompt.startswith(BOS)
+    warm = {"model": "deepseek-chat", "prompt": prompt.removeprefix(BOS), "max_tokens": 1}
+    assert post_raw(server, "/v1/completions", warm, timeout=300).status_code == 200
+
+
+@pytest.mark.timeout(300)
+def test_a_heavy_schema_compiled_cached_and_sent_three_at_once_stalls_no_stream(
+    grammar_server: LiveServer,
+) -> None:
+    """The 6 KB schema of 61 counted-repetition patterns once stopped every other stream
+    for 14 s (its compiled grammar was pickled to the engine core: 309 MB, 24 s), and three
+    at once left /health unanswered for 30 s. Now a running stream's longest wait
+    between two events stays under 1 s (``STALL_STEPS`` of its own median step on a
+    machine loaded past that) while it compiles, while it is served from the cache,
+    and while three copies arrive at once; each answers 200 with JSON that has
+    all 61 properties or is cut by max_tokens; /health stays under 1 s."""
+    body = chat(response_format=schema_format(HEAVY_SCHEMA), max_tokens=4)
+    _cache_the_prompt_of(grammar_server, body)
+    rss_before = _engine_rss_mib(grammar_server)
+    stream = StreamGaps(grammar_server)
+    try:
+        time.sleep(2.0)  # the stream is decoding: its own pace
+        with HealthProbe(grammar_server.base_url) as probe:
+            stream.measuring = True
+            answers = [post_raw(grammar_server, "/v1/chat/completions", body) for _ in range(2)]
+            threads = [
+                threading.Thread(
+                    target=lambda: answers.append(
+                        post_raw(grammar_server, "/v1/chat/completions", body)
+                    )
+                )
+                for _ in range(3)
+            ]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+            time.sleep(0.3)
+            stream.measuring = False
+    finally:
+        stream.close()
+    assert [r.status_code for r in answers] == [200] * 5, [r.text[:300] for r in answers]
+    for r in answers:
+        assert r.json()["usage"]["prompt_cache_hit_tokens"] > 3000  # the prefill was cached
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "length"  # 4 tokens: cut inside the object
+        content = choice["message"]["content"]
+        assert content.startswith('{"p0":"') or '{"p0":"'.startswith(content), content
+    print(
+        f"heavy schema x5: worst stream gap {stream.worst:.3f} s over {stream.events} events"
+        f" (median before {sorted(stream.before)[len(stream.before) // 2]:.3f} s),"
+        f" worst /health {probe.worst:.3f} s,"
+        f" RSS MiB {rss_before} -> {_engine_rss_mib(grammar_server)}"
+    )
+    assert stream.events > 5, stream.events  # it kept decoding throughout
+    pace = sorted(stream.before)[len(stream.before) // 2]
+    assert stream.worst < max(MAX_STREAM_GAP_S, STALL_STEPS * pace), (stream.worst, pace)
+    assert probe.failures == 0 and probe.worst < 1.0, probe.worst
+    assert_still_serving(grammar_server)
+
+
+def test_a_grammar_past_max_grammar_bytes_is_a_400_naming_the_limit(
+    grammar_server: LiveServer,
+) -> None:
+    """72 of the heavy patterns compile to 40.7 MB: past this server's 36 MiB."""
+    schema = {
+        "type": "object",
+        "properties": {f"p{i}": {"type": "string", "pattern": HEAVY_PATTERN} for i in range(72)},
+    }
+    r = post_raw(
+        grammar_server, "/v1/chat/completions", chat(response_format=schema_format(schema))
+    )
+    message = assert_error(r, 400, "response_format")
+    assert f"limit of {GRAMMAR_CAP} bytes (--max-grammar-bytes)" in message
+    assert_still_serving(grammar_server)

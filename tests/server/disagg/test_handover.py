@@ -48,6 +48,9 @@ def test_cached_tokens_leave_out_what_the_prefill_worker_computed(
         '{"pages": [1], "published_at": Infinity}',
         '{"pages": [1], "hit_tokens": [-5], "published_at": 1}',
         '{"pages": [1], "hit_tokens": 3, "published_at": 1}',
+        '{"pages": [1e400], "published_at": 1}',  # int(inf): OverflowError
+        '{"pages": [Infinity], "published_at": 1}',
+        '{"pages": [' + "9" * 5000 + '], "published_at": 1}',  # past int-string limit
     ],
 )
 def test_a_malformed_header_is_no_handover(value: str | None) -> None:

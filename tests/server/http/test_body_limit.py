@@ -58,3 +58,11 @@ def test_body_at_the_limit_is_replayed_then_the_disconnect() -> None:
     assert sent == []
     assert [m.get("body") for m in seen[:2]] == [b"xxxx", b"yyyyyy"]
     assert seen[2] == {"type": "http.disconnect"}
+
+
+def test_a_declared_length_of_5000_digits_is_a_413_not_a_500() -> None:
+    """int() of 5,000 digits raises (Python's int-string limit): it once escaped."""
+    sent, seen = _run([(b"content-length", b"9" * 5000)], [b"x"])
+    assert _is_413(sent) and seen == []
+    sent, _ = _run([(b"content-length", b"0" * 5000 + b"10")], [b"x" * 10])
+    assert sent == []  # leading zeros: still ten bytes, at the limit
