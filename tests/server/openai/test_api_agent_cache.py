@@ -6,8 +6,10 @@ template (``encode_chat``) and tokenised by the served tokenizer here, in the te
 KV store caches whole pages and leaves at least one token to compute
 (docs/design/kvstore.md), so a turn whose prompt ``P`` shares ``c`` leading tokens with
 an earlier prompt of the same tenant hits exactly ``min(c, len(P) - 1) // 64`` pages.
-Every request asks for one token: a sampled token's KV is written only when the next
-one is decoded, so what a turn leaves cached is its prompt's pages and nothing else.
+Follow-ups ask for one token: a sampled token's KV is written only when the next one is
+decoded, so what such a turn leaves cached is its prompt's pages and nothing else (the
+preempted turn's 70 generated tokens differ from the history sent after it, so its
+pages past the prompt do not match it either).
 """
 
 from __future__ import annotations
