@@ -11,17 +11,13 @@ from __future__ import annotations
 import fnmatch
 import re
 import tomllib
-from dataclasses import dataclass
 from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
-from fastapi.testclient import TestClient
+from stub_engine import stub_client
 
-from engine.loader.tokenizer import load_tokenizer
-from server.app import create_app
 from server.playground import routes
-from server.settings import ServerSettings
 
 REPO = Path(__file__).resolve().parents[3]
 STATIC = REPO / "server" / "playground" / "static"
@@ -29,25 +25,6 @@ BROWSER_ACCEPT = "text/html,application/xhtml+xml,application/xml;q=0.9,*/*;q=0.
 # The page's size as docs/design/api.md states it ("under 24 KiB").
 SIZE_BUDGET = 24 << 10
 KEY = "sk-playground-routes"
-
-
-@dataclass
-class StubEngine:
-    """What ``create_app`` reads of an engine; these tests never generate."""
-
-    tokenizer: object
-    vocab_size: int = 129280
-    eos_token_id: int = 1
-    max_model_len: int = 1024
-    is_running: bool = True
-
-    def stalled_for(self) -> float:
-        return 0.0
-
-
-def _client(**settings: object) -> TestClient:
-    engine = StubEngine(load_tokenizer(None))
-    return TestClient(create_app(engine, ServerSettings(**settings)))  # type: ignore[arg-type]
 
 
 class _Tags(HTMLParser):
@@ -96,7 +73,7 @@ def test_wants_html(accept: str, html: bool) -> None:
 
 
 def test_a_browser_gets_the_page_with_a_strict_policy() -> None:
-    with _client() as client:
+    with stub_client() as client:
         r = client.get("/", headers={"Accept": BROWSER_ACCEPT})
         assert r.status_code == 200
         assert r.headers["content-type"] == "text/html; charset=utf-8"
@@ -119,7 +96,7 @@ def test_a_browser_gets_the_page_with_a_strict_policy() -> None:
 
 
 def test_a_json_client_gets_the_index() -> None:
-    with _client() as client:
+    with stub_client() as client:
         for accept in ("application/json", "*/*", None):
             r = client.get("/", headers={"Accept": accept} if accept else {})
             assert r.status_code == 200
@@ -132,7 +109,7 @@ def test_a_json_client_gets_the_index() -> None:
 
 
 def test_no_playground_leaves_only_the_index() -> None:
-    with _client(playground=False) as client:
+    with stub_client(playground=False) as client:
         r = client.get("/", headers={"Accept": BROWSER_ACCEPT})
         assert r.headers["content-type"] == "application/json"
         assert r.json()["playground"] is None
@@ -143,7 +120,7 @@ def test_no_playground_leaves_only_the_index() -> None:
 
 
 def test_the_page_needs_no_key_and_opens_no_way_around_it() -> None:
-    with _client(api_keys=(KEY,)) as client:
+    with stub_client(api_keys=(KEY,)) as client:
         assert client.get("/", headers={"Accept": BROWSER_ACCEPT}).status_code == 200
         assert client.get(routes.ASSET_PREFIX + "app.js").status_code == 200
         assert client.get("/v1/models").status_code == 401
