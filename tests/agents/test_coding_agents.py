@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 
@@ -156,29 +156,19 @@ def claude() -> Path:
 def test_opencode_reads_a_file_through_a_tool(
     opencode: Path, demo_server: LiveServer, tmp_path: Path
 ) -> None:
-    project = project_with_secret(tmp_path)
-    with RecordingProxy(demo_server.base_url) as proxy:
-        (project / "opencode.json").write_text(json.dumps(_opencode_config(proxy.url), indent=2))
-        env = isolated_env(
-            tmp_path,
-            {
-                "OPENCODE_DISABLE_AUTOUPDATE": "1",
-                "OPENCODE_DISABLE_MODELS_FETCH": "1",  # models.dev: the provider is all in config
-                "OPENCODE_DISABLE_LSP_DOWNLOAD": "1",
-                "OPENCODE_DISABLE_DEFAULT_PLUGINS": "1",
-                "OPENCODE_DISABLE_SHARE": "1",
-                "OPENCODE_DISABLE_CLAUDE_CODE": "1",  # no ~/.claude prompts or skills
-            },
-        )
-        cmd = [str(opencode), "run", "--format", "json", TASK]
-        try:
-            run = run_agent(cmd, project, env, SESSION_TIMEOUT_S, partial(_refused, proxy))
-        finally:
-            save_exchanges(proxy.exchanges, tmp_path / "exchanges.json")
-    print(f"opencode session: {run.seconds:.1f} s ({tmp_path}/exchanges.json)")
-    print(describe(proxy.exchanges))
-    assert run.returncode == 0, f"opencode exited {run.returncode}:\n{run.stderr[-4000:]}"
-    _all_answered_2xx(proxy, demo_server)
+    def prepare(proxy_url: str, project: Path) -> tuple[list[str], dict[str, str]]:
+        (project / "opencode.json").write_text(json.dumps(_opencode_config(proxy_url), indent=2))
+        env = {
+            "OPENCODE_DISABLE_AUTOUPDATE": "1",
+            "OPENCODE_DISABLE_MODELS_FETCH": "1",  # models.dev: the provider is all in config
+            "OPENCODE_DISABLE_LSP_DOWNLOAD": "1",
+            "OPENCODE_DISABLE_DEFAULT_PLUGINS": "1",
+            "OPENCODE_DISABLE_SHARE": "1",
+            "OPENCODE_DISABLE_CLAUDE_CODE": "1",  # no ~/.claude prompts or skills
+        }
+        return [str(opencode), "run", "--format", "json", TASK], env
+
+    run, proxy = _session("opencode", prepare, demo_server, tmp_path)
     events = run.events()
     assert events, f"opencode reported nothing: {run.stdout[-2000:]}"
     answer = "".join(e["part"].get("text", "") for e in events if e.get("type") == "text")
@@ -250,31 +240,46 @@ def _claude_session(
 ) -> tuple[AgentRun, RecordingProxy]:
     """One ``claude -p`` session through a recording proxy; it must exit 0 with every
     request answered 2xx whatever the model does."""
-    tmp_path.mkdir()
-    project = project_with_secret(tmp_path)
-    with RecordingProxy(demo_server.base_url) as proxy:
-        env = isolated_env(
-            tmp_path,
-            {
-                "ANTHROPIC_BASE_URL": proxy.url + "/anthropic",
-                "ANTHROPIC_AUTH_TOKEN": API_KEY,
-                "CLAUDE_CONFIG_DIR": str(tmp_path / "home" / ".claude"),
-                "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(MAX_OUTPUT_TOKENS),
-                **CLAUDE_CODE_QUIET,
-            },
-        )
+
+    def prepare(proxy_url: str, _: Path) -> tuple[list[str], dict[str, str]]:
+        env = {
+            "ANTHROPIC_BASE_URL": proxy_url + "/anthropic",
+            "ANTHROPIC_AUTH_TOKEN": API_KEY,
+            "CLAUDE_CONFIG_DIR": str(tmp_path / "home" / ".claude"),
+            "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(MAX_OUTPUT_TOKENS),
+            **CLAUDE_CODE_QUIET,
+        }
         # dontAsk: a tool not in --allowedTools is refused, not asked about (no one to ask).
         cmd = [str(claude), "-p", "--output-format", "stream-json", "--verbose"]
         cmd += ["--no-session-persistence", "--permission-mode", "dontAsk"]
         cmd += ["--allowedTools", "Read,Glob,Grep", "--", TASK]
+        return cmd, env
+
+    tmp_path.mkdir()
+    return _session("claude", prepare, demo_server, tmp_path)
+
+
+def _session(
+    name: str,
+    prepare: Callable[[str, Path], tuple[list[str], dict[str, str]]],
+    demo_server: LiveServer,
+    tmp_path: Path,
+) -> tuple[AgentRun, RecordingProxy]:
+    """One headless agent session in a fresh project, through a recording proxy:
+    ``prepare(proxy_url, project)`` gives its command and environment. Whatever the
+    model does, the agent must exit 0 and every request must be answered 2xx."""
+    project = project_with_secret(tmp_path)
+    with RecordingProxy(demo_server.base_url) as proxy:
+        cmd, extra = prepare(proxy.url, project)
+        env = isolated_env(tmp_path, extra)
         try:
             run = run_agent(cmd, project, env, SESSION_TIMEOUT_S, partial(_refused, proxy))
         finally:
             save_exchanges(proxy.exchanges, tmp_path / "exchanges.json")
-    print(f"claude session: {run.seconds:.1f} s ({tmp_path}/exchanges.json)")
+    print(f"{name} session: {run.seconds:.1f} s ({tmp_path}/exchanges.json)")
     print(describe(proxy.exchanges))
     assert run.returncode == 0, (
-        f"claude exited {run.returncode}:\n{run.stdout[-3000:]}{run.stderr[-3000:]}"
+        f"{name} exited {run.returncode}:\n{run.stdout[-3000:]}{run.stderr[-3000:]}"
     )
     _all_answered_2xx(proxy, demo_server)
     return run, proxy
