@@ -6,9 +6,28 @@ import time
 from dataclasses import dataclass, field
 
 from engine.api.sampling_params import SamplingParams
+from engine.model.deepseek_v41.vision.image_processor import ProcessedImage
 from kvstore.device.page_hash import Salt
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+@dataclass(frozen=True, slots=True)
+class ImageInput:
+    """One image of a prompt: its span starts at ``offset`` of ``prompt_token_ids`` and
+    takes ``image.tokens`` positions, each holding the model's image placeholder id.
+
+    The server decodes and plans the image (``process_image``) and writes the
+    placeholders; the engine runs the vision tower over ``image.patches`` and keys
+    the pages over the span by ``image.content_hash``.
+    """
+
+    offset: int
+    image: ProcessedImage
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.image.tokens
 
 
 @dataclass(slots=True)
@@ -21,6 +40,8 @@ class Request:
     ``prefill_only`` (a disaggregated prefill worker, docs/design/disaggregation.md):
     run the encoder path over the prompt's full pages, commit and publish
     them, and finish without a token; the sampling parameters are not used.
+
+    ``images``: the prompt's images (``ImageInput``); empty for a text prompt.
     """
 
     request_id: str
@@ -30,6 +51,8 @@ class Request:
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     prefill_only: bool = False
+    # The prompt's images, in prompt order, spans not overlapping (empty: text only).
+    images: list[ImageInput] = field(default_factory=list)
 
 
 @dataclass(slots=True)

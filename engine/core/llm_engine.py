@@ -62,6 +62,13 @@ class EngineCounters:
     replay_tokens: int = 0
     step_seconds: float = 0.0  # wall time inside ``step``
     execute_seconds: float = 0.0  # of which inside ``runner.execute``
+    # Speculative decoding (vLLM's spec_decode_* metrics): verified drafts, their
+    # tokens, the accepted ones, and accepted by draft position (index j: drafts
+    # whose position j was accepted).
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)

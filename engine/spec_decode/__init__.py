@@ -1,0 +1,1 @@
+"""Speculative decoding: a proposer drafts tokens, one target step verifies them."""
