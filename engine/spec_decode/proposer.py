@@ -43,8 +43,12 @@ class Proposer(Protocol):
     ) -> Draft:
         """At most ``k`` drafts following ``seq.token_ids``.
 
-        ``hidden[layer]``: that layer's attention inputs of the rows committed to
-        ``seq`` since the previous call (None when ``hidden_layers`` is empty).
+        ``hidden[layer]`` (None when ``hidden_layers`` is empty): that layer's input
+        ``R [rows, hc, hidden]`` (the residual streams entering the block) at the
+        last ``rows`` committed positions, ending at row ``seq.num_tokens - 2`` (the
+        newest token has not run yet). Rows committed since the previous call that
+        the layer ran: a verify step's accepted rows; after a prefill, the rows the
+        decoder replay covered (CED: the last window), so fewer than were committed.
         """
         ...
 
