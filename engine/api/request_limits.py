@@ -22,9 +22,16 @@ from engine.api.errors import RequestError
 from engine.api.request import Request
 
 
-def output_room(prompt_tokens: int, max_model_len: int) -> int:
-    """Tokens the context has left after the prompt (< 1: the prompt cannot run)."""
-    return max_model_len - prompt_tokens
+def check_room(prompt_tokens: int, max_model_len: int) -> int:
+    """Tokens the context has left after the prompt; ``RequestError`` naming the prompt
+    when it leaves none."""
+    room = max_model_len - prompt_tokens
+    if room < 1:
+        raise RequestError(
+            "prompt_token_ids",
+            f"{prompt_tokens} tokens leave no room under max_model_len={max_model_len}",
+        )
+    return room
 
 
 def output_budget(
@@ -35,12 +42,7 @@ def output_budget(
     "length" where the context does. Agents ask a fixed large budget whatever their
     prompt (32,000 tokens on every turn), and refusing it would fail a turn that
     fits. Raises ``RequestError`` naming the prompt only when it leaves no room."""
-    room = output_room(prompt_tokens, max_model_len)
-    if room < 1:
-        raise RequestError(
-            "prompt_token_ids",
-            f"{prompt_tokens} tokens leave no room under max_model_len={max_model_len}",
-        )
+    room = check_room(prompt_tokens, max_model_len)
     wanted = requested if requested is not None else default
     return room if wanted is None else min(wanted, room)
 
@@ -80,11 +82,7 @@ class RequestLimits:
             raise RequestError(field, "the prompt is empty")
         if any(not 0 <= t < self.vocab_size for t in prompt):
             raise RequestError(field, f"ids must lie in [0, {self.vocab_size})")
-        if output_room(len(prompt), self.max_model_len) < 1:
-            raise RequestError(
-                field,
-                f"{len(prompt)} tokens leave no room under max_model_len={self.max_model_len}",
-            )
+        check_room(len(prompt), self.max_model_len)
         if self.pages_needed(len(prompt)) > self.num_pages:
             raise RequestError(
                 field,
