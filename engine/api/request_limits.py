@@ -106,11 +106,11 @@ class RequestLimits:
         """Spans in order, inside the prompt, apart, all placeholders and the only ones;
         each image planned with this model's processor settings, its patches its plan's."""
         prompt = request.prompt_token_ids
-        if not self.takes_images:
+        image_id = self.image_token_id
+        if image_id is None:
             if request.images:
                 raise RequestError("images", "this model has no vision tower")
             return
-        image_id = self.image_token_id
         end = 0
         for i, item in enumerate(request.images):
             image, plan = item.image, item.image.plan

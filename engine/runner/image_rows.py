@@ -14,19 +14,29 @@ model, so a batch mixing such a row with an image's rows stays one tensor.
 
 from __future__ import annotations
 
+from typing import Protocol, cast
+
 import torch
 
 from engine.core.sequence import Sequence
 from engine.model.base import CausalLM
+from engine.model.deepseek_v41.vision.image_plan import ImagePlan
+from engine.model.deepseek_v41.vision.image_processor import ProcessedImage
 from engine.runner.encoder_cache import EncoderCache
 
 
+class _VisionTower(Protocol):
+    def encode_image(self, patches: torch.Tensor, plan: ImagePlan) -> torch.Tensor: ...
+
+
 def encoder_cache_for(model: CausalLM, capacity_bytes: int) -> EncoderCache:
-    """A cache whose misses run ``model``'s vision tower under no_grad."""
+    """A cache whose misses run ``model``'s vision tower under no_grad (a model without
+    one raises if ever asked: validation refuses images for it)."""
+    tower = cast(_VisionTower, model)
 
     @torch.no_grad()
-    def encode(image):
-        return model.encode_image(image.patches, image.plan)  # type: ignore[attr-defined]
+    def encode(image: ProcessedImage) -> torch.Tensor:
+        return tower.encode_image(image.patches, image.plan)
 
     return EncoderCache(capacity_bytes, encode)
 

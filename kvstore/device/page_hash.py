@@ -1,11 +1,12 @@
 """Prefix-cache page hashes (docs/design/architecture.md §2.3).
 
 hash(page i) = BLAKE3(seed, hash(page i - 1), salt, the page's token ids
-[, the spans over the page]). The seed is a fixed string, never Python's randomised ``hash``, so the same
-tokens and salt give the same 32 bytes in every process and after a restart;
-the persistent tier names its files by this hash. The salt is length-prefixed
-and the tokens are fixed-width little-endian int64, so no two different
-(salt, tokens) inputs encode to the same bytes: tenants never share pages.
+[, the spans over the page]). The seed is a fixed string, never Python's
+randomised ``hash``, so the same tokens and salt give the same 32 bytes in
+every process and after a restart; the persistent tier names its files by
+this hash. The salt is length-prefixed and the tokens are fixed-width
+little-endian int64, so no two different (salt, tokens) inputs encode to the
+same bytes: tenants never share pages.
 
 A span (``SpanKey``) is a run of positions whose content is not their token
 ids: every position of an image's span holds the same placeholder id, so two
@@ -86,11 +87,13 @@ def page_hash(
     return h.digest(length=HASH_BYTES)
 
 
-def page_spans(
-    spans: Sequence[SpanKey], first: int, end: int
-) -> list[tuple[int, int, bytes]]:
+def page_spans(spans: Sequence[SpanKey], first: int, end: int) -> list[tuple[int, int, bytes]]:
     """The ``page_hash`` terms of the spans overlapping positions ``[first, end)``."""
-    return [(k.offset - first, k.length, k.content_hash) for k in spans if k.offset < end and k.end > first]
+    return [
+        (k.offset - first, k.length, k.content_hash)
+        for k in spans
+        if k.offset < end and k.end > first
+    ]
 
 
 def chain_hashes(

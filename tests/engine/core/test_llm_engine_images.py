@@ -216,9 +216,7 @@ def test_preemption_and_two_choices_keep_the_images(vision_model, runner_name):
     assert [x.stored_tokens for x in runner.admissions["b", 0]] == [0, 16]
     # The resume runs the plan of its own admission over the KV the first one wrote.
     admissions = runner.admissions["b", 0]
-    assert_answer(
-        runner, "b", outputs, dense_greedy(vision_model, b_ids, b_images, 5, admissions)
-    )
+    assert_answer(runner, "b", outputs, dense_greedy(vision_model, b_ids, b_images, 5, admissions))
     assert runner.inner.encoder_cache.encodes == 1
 
     c_ids, c_images = list(b_ids), [ImageInput(4, image(5))]
