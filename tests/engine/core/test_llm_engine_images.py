@@ -220,9 +220,9 @@ def test_preemption_and_two_choices_keep_the_images(vision_model, runner_name):
     assert runner.inner.encoder_cache.encodes == 1
 
     c_ids, c_images = list(b_ids), [ImageInput(4, image(5))]
-    engine.add_request(Request("c", c_ids, greedy(3, n=2), images=c_images))
+    engine.add_request(Request("c", c_ids, greedy(2, n=2), images=c_images))
     outputs = run_to_completion(engine)
-    expected = dense_greedy(vision_model, c_ids, c_images, 3)
+    expected = dense_greedy(vision_model, c_ids, c_images, 2)
     for index in (0, 1):
         assert_answer(runner, "c", outputs, expected, index)
     assert runner.inner.encoder_cache.encodes == 2  # one more image, shared by both choices
