@@ -23,6 +23,7 @@ from engine.model.deepseek_v41.model import DeepseekV41
 from engine.model.deepseek_v41.reference import GlobalKV, ReplayPlan, forward
 from engine.model.deepseek_v41.vision.config import VisionConfig, with_vision
 from engine.model.deepseek_v41.vision.image_processor import ProcessedImage, process_image
+from kvstore.device.page_hash import SpanKey, chain_hashes
 from tests.engine.engine_helpers import (
     Admission,
     W,
@@ -303,3 +304,20 @@ def test_bad_spans_are_refused(vision_model, case, message):
     good = prompt(40, 2)
     good[5:15] = [IMG] * 10
     engine.add_request(_bad(good, [ImageInput(5, a)]))
+
+
+def test_a_prefill_only_hand_over_is_keyed_as_the_decode_side_looks_it_up(vision_model):
+    """The prefill worker's published chain is the page-hash chain over the images (the
+    one ``chain_hashes``); a decode-side request with the same image hits every page."""
+    a, b = image(1), image(2, (84, 84))
+    ids, images = two_image_prompt(a, b)
+    engine, runner = reference_engine(vision_model)
+    engine.add_request(Request("p", ids, images=images, prefill_only=True))
+    published = run_to_completion(engine)["p"][-1].published_pages
+    spans = [SpanKey(i.offset, i.image.tokens, i.image.content_hash) for i in images]
+    assert published == chain_hashes(ids, b"", 8, spans=spans)
+    assert len(published) == L // 8 and published != chain_hashes(ids, b"", 8)
+    engine.add_request(Request("d", ids, greedy(2), images=images))
+    outputs = run_to_completion(engine)
+    assert outputs["d"][-1].usage.prompt_cache_hit_tokens == 32
+    assert_answer(runner, "d", outputs, dense_greedy(vision_model, ids, images, 2))
