@@ -19,7 +19,9 @@ intra-op thread, medians of ``--repeats`` after a warm-up:
 - text prefill of ``T`` tokens (random ids), one chunk through the paged runner,
   CED on (the served default): the tiny model and ``models/demo``.
 
-Ratios ``encode / prefill`` side by side. Nothing here is a GPU figure.
+Ratios ``encode / prefill`` side by side. On paper, not measured: the release's ViT +
+aligner FLOPs against its own text prefill's (2 per active weight per token, CED).
+Nothing here is a GPU figure.
 
 **ttft** (``--url``): against a running server, a chat whose user message is a
 short question and one ``--ttft-size`` image as a ``data:`` URL ``image_url`` part,
@@ -188,6 +190,30 @@ def _angles(plan: ImagePlan, vision: VisionConfig) -> torch.Tensor:
     return rotary_angles(plan.n_vit_h, plan.n_vit_w, vision.head_dim, vision.rope_theta)[:, None]
 
 
+# ---------------------------------------------------------------- on paper
+
+
+def vit_flops(plan: ImagePlan, vision: VisionConfig, text_hidden: int) -> int:
+    """Multiply-add FLOPs (2 per weight per row) of the ViT + aligner on ``plan``, the
+    attention's two ``N x N`` products included; norms, rotary and GELU left out."""
+    n, d, f = plan.n_patches, vision.hidden_size, vision.intermediate_size
+    block = 2 * n * (3 * d * d + d * d + 2 * d * f + f * d) + 4 * n * n * d
+    aligner = 2 * plan.n_cells * (d * vision.downsample_ratio**2 + text_hidden) * text_hidden
+    return 2 * n * vision.patch_dim * d + vision.num_hidden_layers * block + aligner
+
+
+def text_prefill_flops(config: ModelConfig, tokens: int) -> int:
+    """2 FLOPs per active weight per row of a CED prefill (``engine.planning.accounting``):
+    the encoder and boundary layers on every row, the decoder on the last window.
+    Attention scores are left out (small next to the weights at a thousand tokens)."""
+    from engine.planning.accounting import account
+
+    layers = account(config).layers
+    encoder = sum(a.params_active for a in layers if a.stage != "decoder")
+    decoder = sum(a.params_active for a in layers if a.stage == "decoder")
+    return 2 * (encoder * tokens + decoder * min(tokens, config.sliding_window))
+
+
 # ---------------------------------------------------------------- text prefill
 
 
@@ -272,7 +298,12 @@ def measure_size(
 
     for name in towers:
         ratios(f"{name}_tower", row[f"{name}_tower_ms"])
-    official_hidden = ModelConfig.official().hidden_size
+    official = ModelConfig.official()
+    official_hidden = official.hidden_size
+    # The release on paper: its tower against its own text prefill of T tokens.
+    vit, text = vit_flops(plan, release, official_hidden), text_prefill_flops(official, plan.tokens)
+    row |= {"release_vit_gflop": round(vit / 1e9, 1), "release_prefill_gflop": round(text / 1e9, 1)}
+    row["release_vit_vs_prefill_flops"] = round(vit / text, 3)
     for dtype_name in args.release_dtypes:
         tower = ReleaseTower(official_hidden, getattr(torch, dtype_name))
         key = f"release_{dtype_name}"

@@ -52,6 +52,20 @@ def test_the_release_tower_in_parts_is_the_tower() -> None:
         assert _close(tower.run_rest(patches, plan), rest)
 
 
+def test_vit_flops_on_paper_match_torchs_count() -> None:
+    """The paper count against torch's own FLOP counter (a second code path) on the
+    tower the bench runs, at a small config: every matmul and the attention's two."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    vision = VisionConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, min_pixels=1)
+    tower = bench.ReleaseTower(24, torch.float32, vision=vision)
+    image = process_image(bench.synthetic_png(70, 56, seed=2), vision)
+    counter = FlopCounterMode(display=False)
+    with torch.no_grad(), counter:
+        tower.run_full(image.patches, image.plan)
+    assert counter.get_total_flops() == bench.vit_flops(image.plan, vision, 24)
+
+
 def test_encode_rows_at_a_toy_size(tmp_path: Path) -> None:
     out = tmp_path / "vision.json"
     argv = ["--sizes", "20x16", "--repeats", "1", "--warmup", "0"]
@@ -71,6 +85,7 @@ def test_encode_rows_at_a_toy_size(tmp_path: Path) -> None:
         ratio = row["tiny_tower_ms"] / row[f"prefill_{text}_ms"]
         assert row[f"tiny_tower_vs_prefill_{text}"] == pytest.approx(ratio, abs=1e-3)
     assert result["text_models"] == ["tiny"] and result["threads"] == 1
+    assert row["release_vit_gflop"] > 0 and row["release_prefill_gflop"] > 0
 
 
 def _sse(*chunks: dict) -> bytes:
