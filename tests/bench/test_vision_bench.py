@@ -66,6 +66,7 @@ def test_vit_flops_on_paper_match_torchs_count() -> None:
     assert counter.get_total_flops() == bench.vit_flops(image.plan, vision, 24)
 
 
+@pytest.mark.slow  # builds the tiny model and prefills 194 tokens: ~30 s on the busy 2-core VM
 def test_encode_rows_at_a_toy_size(tmp_path: Path) -> None:
     out = tmp_path / "vision.json"
     argv = ["--sizes", "20x16", "--repeats", "1", "--warmup", "0"]
