@@ -26,7 +26,7 @@ from engine.api.model_vision import (
     process_image,
 )
 from engine.api.request import ImageInput
-from server.chat.image_sources import ImageSource, decode_data_url, image_error
+from server.chat.image_sources import ImageSource, check_host, decode_data_url, image_error
 from server.http.errors import APIError
 from server.openai.protocol import ChatMessage, image_parts
 from server.settings import ServerSettings
@@ -88,11 +88,13 @@ def process_images(
     limits = ImageLimits(settings.max_image_bytes, settings.max_image_pixels)
     out = []
     for source in sources:
-        data = (
-            decode_data_url(source, settings.max_image_bytes)
-            if source.is_data
-            else fetched[source.param]
-        )
+        if source.is_data:
+            data = decode_data_url(source, settings.max_image_bytes)
+        elif source.param in fetched:
+            data = fetched[source.param]
+        else:  # a caller that did not fetch: the same refusal a fetch would have given
+            check_host(source, source.url, settings.allowed_media_domains)
+            raise image_error(source.param, "the image URL was not fetched", "media_fetch")
         try:
             out.append(process_image(data, vision.config, limits))
         except ImageError as exc:

@@ -128,7 +128,11 @@ def test_accessors() -> None:
             "assistant message cannot hold images",
         ),
         (
-            {"messages": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+            {
+                "messages": [
+                    {"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}
+                ]
+            },
             400,
             "messages[0].content[0]",
             "images go in 'image_url' parts",
