@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 from engine.api.model_vision import (
     ImageError,
-    ImageErrorKind,
     ImageLimits,
     ModelVision,
     ProcessedImage,
@@ -30,15 +29,6 @@ from server.chat.image_sources import ImageSource, check_host, decode_data_url, 
 from server.http.errors import APIError
 from server.openai.protocol import ChatMessage, image_parts
 from server.settings import ServerSettings
-
-# An ImageError's kind as the error body's ``code``.
-_CODES = {
-    ImageErrorKind.TOO_MANY_BYTES: "image_too_large",
-    ImageErrorKind.TOO_MANY_PIXELS: "image_too_many_pixels",
-    ImageErrorKind.SVG: "unsupported_image",
-    ImageErrorKind.NOT_AN_IMAGE: "unsupported_image",
-    ImageErrorKind.CORRUPT: "invalid_image",
-}
 
 
 def image_sources(messages: Sequence[ChatMessage]) -> list[ImageSource]:
@@ -60,7 +50,6 @@ def check_images_allowed(
         raise image_error(
             sources[0].param,
             "this model has no vision tower (its config has no vision_config): it takes text only",
-            "images_not_supported",
         )
     if len(sources) > settings.max_images:
         raise APIError(
@@ -68,7 +57,6 @@ def check_images_allowed(
             f"messages: {len(sources)} images, over this server's limit of "
             f"{settings.max_images} per request (--limit-mm-per-prompt)",
             param="messages",
-            code="too_many_images",
         )
 
 
@@ -94,11 +82,11 @@ def process_images(
             data = fetched[source.param]
         else:  # a caller that did not fetch: the same refusal a fetch would have given
             check_host(source, source.url, settings.allowed_media_domains)
-            raise image_error(source.param, "the image URL was not fetched", "media_fetch")
+            raise image_error(source.param, "the image URL was not fetched")
         try:
             out.append(process_image(data, vision.config, limits))
         except ImageError as exc:
-            raise image_error(source.param, str(exc), _CODES[exc.kind]) from None
+            raise image_error(source.param, str(exc)) from None
     return out
 
 
@@ -116,7 +104,6 @@ def place_images(
             f"messages: the text holds the image placeholder token; {len(where)} "
             f"placeholders for {len(images)} images",
             param="messages",
-            code="invalid_image",
         )
     out: list[int] = []
     placed: list[ImageInput] = []

@@ -40,9 +40,9 @@ class ImageSource:
         return self.url[:5].lower() == "data:"
 
 
-def image_error(param: str, message: str, code: str = "invalid_image") -> APIError:
-    """A 400 naming the image part."""
-    return APIError(400, f"{param}: {message}", param=param, code=code)
+def image_error(param: str, message: str) -> APIError:
+    """A 400 naming the image part (``code`` is the type, as DeepSeek's errors)."""
+    return APIError(400, f"{param}: {message}", param=param)
 
 
 def decode_data_url(source: ImageSource, max_bytes: int) -> bytes:
@@ -66,7 +66,7 @@ def decode_data_url(source: ImageSource, max_bytes: int) -> bytes:
 
 
 def too_many_bytes(param: str, max_bytes: int) -> APIError:
-    return image_error(param, f"the image is larger than {max_bytes} bytes", "image_too_large")
+    return image_error(param, f"the image is larger than {max_bytes} bytes")
 
 
 def check_host(source: ImageSource, url: str, allowed: tuple[str, ...]) -> None:
@@ -79,15 +79,10 @@ def check_host(source: ImageSource, url: str, allowed: tuple[str, ...]) -> None:
             source.param,
             f"this server fetches no image URLs (the operator allows hosts with "
             f"{ALLOWED_FLAG}); send the image as a data: URL",
-            "media_url_not_allowed",
         )
     host = (parts.hostname or "").lower()
     if host not in allowed:
-        raise image_error(
-            source.param,
-            f"host '{host[:100]}' is not in {ALLOWED_FLAG}",
-            "media_url_not_allowed",
-        )
+        raise image_error(source.param, f"host '{host[:100]}' is not in {ALLOWED_FLAG}")
 
 
 async def fetch_image(
@@ -102,11 +97,11 @@ async def fetch_image(
         return await asyncio.wait_for(_download(client, source, allowed, max_bytes), timeout_s)
     except TimeoutError:
         raise image_error(
-            source.param, f"fetching the image took longer than {timeout_s:g} s", "media_fetch"
+            source.param, f"fetching the image took longer than {timeout_s:g} s"
         ) from None
     except httpx.HTTPError as exc:
         raise image_error(
-            source.param, f"fetching the image failed: {type(exc).__name__}", "media_fetch"
+            source.param, f"fetching the image failed: {type(exc).__name__}"
         ) from None
 
 
@@ -122,9 +117,7 @@ async def _download(
                 continue
             if response.status_code != 200:
                 raise image_error(
-                    source.param,
-                    f"fetching the image answered HTTP {response.status_code}",
-                    "media_fetch",
+                    source.param, f"fetching the image answered HTTP {response.status_code}"
                 )
             declared = response.headers.get("content-length", "")
             if declared.isdigit() and int(declared) > max_bytes:
@@ -135,7 +128,7 @@ async def _download(
                 if len(body) > max_bytes:
                     raise too_many_bytes(source.param, max_bytes)
             return bytes(body)
-    raise image_error(source.param, f"more than {MAX_REDIRECTS} redirects", "media_fetch")
+    raise image_error(source.param, f"more than {MAX_REDIRECTS} redirects")
 
 
 async def fetch_remote_images(

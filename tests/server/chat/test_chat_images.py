@@ -164,46 +164,46 @@ def test_tool_results_may_hold_images(vision_tokenizer) -> None:
 
 
 @pytest.mark.parametrize(
-    ("data", "code", "words"),
+    ("data", "words"),
     [
-        (b"hello, not an image", "unsupported_image", "not a PNG"),
-        (b"<svg xmlns='http://www.w3.org/2000/svg'></svg>", "unsupported_image", "SVG"),
-        (png(640, 480)[:300], "invalid_image", "corrupt"),
-        (bomb_png(), "image_too_many_pixels", "pixels"),
+        (b"hello, not an image", "not a PNG, JPEG, WebP or GIF image"),
+        (b"<svg xmlns='http://www.w3.org/2000/svg'></svg>", "SVG images are not supported"),
+        (png(640, 480)[:300], "image data is corrupt"),
+        (bomb_png(), "decompression bomb"),
     ],
     ids=["not-an-image", "svg", "truncated", "decompression-bomb"],
 )
-def test_bad_images_are_400s_naming_the_part(vision_tokenizer, data, code, words) -> None:
+def test_bad_images_are_400s_naming_the_part(vision_tokenizer, data, words) -> None:
     body = _body({"type": "text", "text": "what"}, image_part(data_url(data)))
     error = _refused(_ctx(vision_tokenizer), body)
-    assert error.param == "messages[0].content[1]" and error.code == code
-    assert words in error.message
+    assert error.param == "messages[0].content[1]" and error.code == "invalid_request_error"
+    assert error.message.startswith("messages[0].content[1]: ") and words in error.message
 
 
 @pytest.mark.parametrize(
-    ("url", "code", "words"),
+    ("url", "words"),
     [
-        ("data:image/png,rawbytes", "invalid_image", "base64"),
-        ("data:text/plain;base64,aGk=", "invalid_image", "not an image"),
-        ("data:image/png;base64,@@@@", "invalid_image", "base64 is invalid"),
-        ("ftp://example.com/a.png", "invalid_image", "data: or http(s)"),
-        ("https://example.com/a.png", "media_url_not_allowed", "--allowed-media-domains"),
+        ("data:image/png,rawbytes", "base64"),
+        ("data:text/plain;base64,aGk=", "not an image"),
+        ("data:image/png;base64,@@@@", "base64 is invalid"),
+        ("ftp://example.com/a.png", "data: or http(s)"),
+        ("https://example.com/a.png", "--allowed-media-domains"),
     ],
 )
-def test_bad_urls_are_400s(vision_tokenizer, url, code, words) -> None:
+def test_bad_urls_are_400s(vision_tokenizer, url, words) -> None:
     error = _refused(_ctx(vision_tokenizer), _body(image_part(url)))
-    assert error.param == "messages[0].content[0]" and error.code == code
-    assert words in error.message
+    assert error.param == "messages[0].content[0]" and words in error.message
 
 
 def test_limits_are_400s(vision_tokenizer) -> None:
     one = image_part(data_url(png(640, 480)))
     error = _refused(_ctx(vision_tokenizer, limit_mm_per_prompt='{"image": 1}'), _body(one, one))
-    assert error.code == "too_many_images" and "--limit-mm-per-prompt" in error.message
+    assert error.param == "messages" and "2 images" in error.message
+    assert "--limit-mm-per-prompt" in error.message
     error = _refused(_ctx(vision_tokenizer, max_image_bytes=1000), _body(one))
-    assert error.code == "image_too_large" and error.param == "messages[0].content[0]"
+    assert "larger than 1000 bytes" in error.message and error.param == "messages[0].content[0]"
     error = _refused(_ctx(vision_tokenizer, max_image_pixels=640 * 480 - 1), _body(one))
-    assert error.code == "image_too_many_pixels"
+    assert "over the limit of 307199" in error.message
     # Image tokens count against the context like any prompt token: 2 x 206 > 400.
     error = _refused(_ctx(vision_tokenizer, max_model_len=400), _body(one, one))
     assert error.param == "messages" and "400" in error.message
@@ -214,7 +214,7 @@ def test_limits_are_400s(vision_tokenizer) -> None:
 def test_a_model_without_a_vision_tower_refuses_images(vision_tokenizer) -> None:
     body = _body({"type": "text", "text": "what"}, image_part(data_url(png(20, 16))))
     error = _refused(_ctx(vision_tokenizer, vision=False), body)
-    assert error.code == "images_not_supported" and error.param == "messages[0].content[1]"
+    assert error.param == "messages[0].content[1]"
     assert "no vision tower" in error.message
 
 

@@ -66,18 +66,18 @@ def test_models_say_which_inputs_they_take(vision_stub: TestClient, text_stub: T
 
 
 @pytest.mark.parametrize(
-    ("part", "code"),
+    ("part", "words"),
     [
-        (image_part(data_url(b"not an image at all")), "unsupported_image"),
-        (image_part(data_url(RED[:500])), "invalid_image"),
-        (image_part(data_url(bomb_png())), "image_too_many_pixels"),
-        (image_part(data_url(b"<svg></svg>", "image/svg+xml")), "unsupported_image"),
-        (image_part("https://images.example.com/cat.png"), "media_url_not_allowed"),
+        (image_part(data_url(b"not an image at all")), "not a PNG"),
+        (image_part(data_url(RED[:500])), "corrupt"),
+        (image_part(data_url(bomb_png())), "pixels"),
+        (image_part(data_url(b"<svg></svg>", "image/svg+xml")), "SVG"),
+        (image_part("https://images.example.com/cat.png"), "--allowed-media-domains"),
     ],
     ids=["not-an-image", "truncated", "bomb", "svg", "url-not-allowed"],
 )
 def test_bad_images_are_quick_400s_and_the_server_stays_healthy(
-    vision_stub: TestClient, part: dict[str, Any], code: str
+    vision_stub: TestClient, part: dict[str, Any], words: str
 ) -> None:
     start = time.monotonic()
     reply = _chat(vision_stub, QUESTION, part)
@@ -85,14 +85,15 @@ def test_bad_images_are_quick_400s_and_the_server_stays_healthy(
     assert reply.status_code == 400
     error = reply.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
-    assert error["param"] == "messages[0].content[1]" and error["code"] == code
+    assert error["param"] == "messages[0].content[1]" and words in error["message"]
+    assert error["type"] == error["code"] == "invalid_request_error"
     assert vision_stub.get("/health").status_code == 200
 
 
 def test_too_many_images_is_a_400(vision_stub: TestClient) -> None:
     one = image_part(data_url(png(20, 16)))
     reply = _chat(vision_stub, one, one, one)
-    assert reply.status_code == 400 and reply.json()["error"]["code"] == "too_many_images"
+    assert reply.status_code == 400 and "--limit-mm-per-prompt" in reply.json()["error"]["message"]
 
 
 def test_a_text_model_names_why_it_refuses(text_stub: TestClient) -> None:
