@@ -140,8 +140,13 @@ async def fetch_remote_images(
         return {}
     for source in remote:  # refuse a disallowed host before any connection
         check_host(source, source.url, allowed)
-    async with httpx.AsyncClient(trust_env=False) as client:
-        bodies = await asyncio.gather(
-            *(fetch_image(client, s, allowed, max_bytes, timeout_s) for s in remote)
-        )
-    return {s.param: body for s, body in zip(remote, bodies, strict=True)}
+    try:
+        # A failed download cancels the others (the request is refused anyway).
+        async with httpx.AsyncClient(trust_env=False) as client, asyncio.TaskGroup() as group:
+            tasks = [
+                group.create_task(fetch_image(client, s, allowed, max_bytes, timeout_s))
+                for s in remote
+            ]
+    except ExceptionGroup as failed:
+        raise failed.exceptions[0] from None
+    return {s.param: t.result() for s, t in zip(remote, tasks, strict=True)}

@@ -92,7 +92,7 @@ class ImageUrl(_Request):
     accepted and not used (the resize plan alone sets an image's token count)."""
 
     url: str
-    detail: Literal["auto", "low", "high"] | None = None
+    detail: str | None = None  # OpenAI's "auto" / "low" / "high", or a newer level
 
 
 class ContentPart(_Request):
