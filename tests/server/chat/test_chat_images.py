@@ -14,7 +14,6 @@ from image_helpers import (
     data_url,
     image_part,
     png,
-    tiny_vision_tokenizer,
 )
 
 from engine.api.model_vision import ModelVision
@@ -29,8 +28,8 @@ from server.settings import ServerSettings
 
 
 @pytest.fixture(scope="module")
-def vision_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, ModelVision, int]:
-    tokenizer, facts = tiny_vision_tokenizer(tmp_path_factory.mktemp("tok"))
+def planning(vision_tokenizer: tuple[Any, ModelVision]) -> tuple[Any, ModelVision, int]:
+    tokenizer, facts = vision_tokenizer
     # ServingContext's bound on bytes per token, computed once for every context here.
     most = max(len(t.encode()) for t in tokenizer.get_vocab(with_added_tokens=True))
     return tokenizer, facts, most
@@ -42,13 +41,13 @@ class _Engine:
 
 
 def _ctx(
-    vision_tokenizer: tuple[Any, ModelVision],
+    planning: tuple[Any, ModelVision],
     *,
     vision: bool = True,
     max_model_len: int = 1024,
     **settings: Any,
 ) -> ServingContext:
-    tokenizer, facts, most = vision_tokenizer
+    tokenizer, facts, most = planning
     engine = _Engine()
     engine.max_model_len = max_model_len
     return ServingContext(
@@ -84,8 +83,8 @@ def _refused(ctx: ServingContext, body: ChatCompletionRequest) -> APIError:
     return info.value
 
 
-def test_spans_replace_each_image_part_in_order(vision_tokenizer) -> None:
-    tokenizer, facts, _ = vision_tokenizer
+def test_spans_replace_each_image_part_in_order(planning) -> None:
+    tokenizer, facts, _ = planning
     img = facts.image_token_id
     red, small = png(640, 480), png(20, 16, (0, 90, 200))
     body = _body(
@@ -94,7 +93,7 @@ def test_spans_replace_each_image_part_in_order(vision_tokenizer) -> None:
         {"type": "text", "text": "and"},
         image_part(data_url(small)),
     )
-    (call,) = _plan(_ctx(vision_tokenizer), body).calls
+    (call,) = _plan(_ctx(planning), body).calls
     request = call.request
 
     def enc(text: str) -> list[int]:
@@ -118,7 +117,7 @@ def test_spans_replace_each_image_part_in_order(vision_tokenizer) -> None:
     assert a.image.content_hash != b.image.content_hash
 
 
-def test_the_same_pixels_in_other_containers_hash_alike(vision_tokenizer) -> None:
+def test_the_same_pixels_in_other_containers_hash_alike(planning) -> None:
     import io
 
     from PIL import Image
@@ -128,19 +127,19 @@ def test_the_same_pixels_in_other_containers_hash_alike(vision_tokenizer) -> Non
     body = _body(
         image_part(data_url(png(640, 480))), image_part(data_url(buf.getvalue(), "image/webp"))
     )
-    a, b = _plan(_ctx(vision_tokenizer), body).calls[0].request.images
+    a, b = _plan(_ctx(planning), body).calls[0].request.images
     assert a.image.content_hash == b.image.content_hash
     other = _body(image_part(data_url(png(640, 480, (200, 30, 31)))))
-    (c,) = _plan(_ctx(vision_tokenizer), other).calls[0].request.images
+    (c,) = _plan(_ctx(planning), other).calls[0].request.images
     assert c.image.content_hash != a.image.content_hash
 
 
-def test_text_only_requests_carry_no_images(vision_tokenizer) -> None:
-    (call,) = _plan(_ctx(vision_tokenizer), _body({"type": "text", "text": "hi"})).calls
+def test_text_only_requests_carry_no_images(planning) -> None:
+    (call,) = _plan(_ctx(planning), _body({"type": "text", "text": "hi"})).calls
     assert call.request.images == []
 
 
-def test_tool_results_may_hold_images(vision_tokenizer) -> None:
+def test_tool_results_may_hold_images(planning) -> None:
     body = ChatCompletionRequest.model_validate(
         {
             "model": "deepseek-chat",
@@ -159,7 +158,7 @@ def test_tool_results_may_hold_images(vision_tokenizer) -> None:
             ],
         }
     )
-    (image,) = _plan(_ctx(vision_tokenizer), body).calls[0].request.images
+    (image,) = _plan(_ctx(planning), body).calls[0].request.images
     assert image.image.tokens == TOKENS_20x16
 
 
@@ -173,9 +172,9 @@ def test_tool_results_may_hold_images(vision_tokenizer) -> None:
     ],
     ids=["not-an-image", "svg", "truncated", "decompression-bomb"],
 )
-def test_bad_images_are_400s_naming_the_part(vision_tokenizer, data, words) -> None:
+def test_bad_images_are_400s_naming_the_part(planning, data, words) -> None:
     body = _body({"type": "text", "text": "what"}, image_part(data_url(data)))
-    error = _refused(_ctx(vision_tokenizer), body)
+    error = _refused(_ctx(planning), body)
     assert error.param == "messages[0].content[1]" and error.code == "invalid_request_error"
     assert error.message.startswith("messages[0].content[1]: ") and words in error.message
 
@@ -190,37 +189,37 @@ def test_bad_images_are_400s_naming_the_part(vision_tokenizer, data, words) -> N
         ("https://example.com/a.png", "--allowed-media-domains"),
     ],
 )
-def test_bad_urls_are_400s(vision_tokenizer, url, words) -> None:
-    error = _refused(_ctx(vision_tokenizer), _body(image_part(url)))
+def test_bad_urls_are_400s(planning, url, words) -> None:
+    error = _refused(_ctx(planning), _body(image_part(url)))
     assert error.param == "messages[0].content[0]" and words in error.message
 
 
-def test_limits_are_400s(vision_tokenizer) -> None:
+def test_limits_are_400s(planning) -> None:
     one = image_part(data_url(png(640, 480)))
-    error = _refused(_ctx(vision_tokenizer, limit_mm_per_prompt='{"image": 1}'), _body(one, one))
+    error = _refused(_ctx(planning, limit_mm_per_prompt='{"image": 1}'), _body(one, one))
     assert error.param == "messages" and "2 images" in error.message
     assert "--limit-mm-per-prompt" in error.message
-    error = _refused(_ctx(vision_tokenizer, max_image_bytes=1000), _body(one))
+    error = _refused(_ctx(planning, max_image_bytes=1000), _body(one))
     assert "larger than 1000 bytes" in error.message and error.param == "messages[0].content[0]"
-    error = _refused(_ctx(vision_tokenizer, max_image_pixels=640 * 480 - 1), _body(one))
+    error = _refused(_ctx(planning, max_image_pixels=640 * 480 - 1), _body(one))
     assert "over the limit of 307199" in error.message
     # Image tokens count against the context like any prompt token: 2 x 206 > 400.
-    error = _refused(_ctx(vision_tokenizer, max_model_len=400), _body(one, one))
+    error = _refused(_ctx(planning, max_model_len=400), _body(one, one))
     assert error.param == "messages" and "400" in error.message
     # One fits.
-    assert _plan(_ctx(vision_tokenizer, max_model_len=400), _body(one)).calls
+    assert _plan(_ctx(planning, max_model_len=400), _body(one)).calls
 
 
-def test_a_model_without_a_vision_tower_refuses_images(vision_tokenizer) -> None:
+def test_a_model_without_a_vision_tower_refuses_images(planning) -> None:
     body = _body({"type": "text", "text": "what"}, image_part(data_url(png(20, 16))))
-    error = _refused(_ctx(vision_tokenizer, vision=False), body)
+    error = _refused(_ctx(planning, vision=False), body)
     assert error.param == "messages[0].content[1]"
     assert "no vision tower" in error.message
 
 
-def test_text_spelling_the_placeholder_cannot_pose_as_an_image(vision_tokenizer) -> None:
+def test_text_spelling_the_placeholder_cannot_pose_as_an_image(planning) -> None:
     body = _body({"type": "text", "text": "<｜deepseek_image｜>"})
-    assert "placeholder" in _refused(_ctx(vision_tokenizer), body).message
+    assert "placeholder" in _refused(_ctx(planning), body).message
 
 
 def test_images_in_system_or_assistant_turns_are_refused() -> None:
@@ -239,7 +238,7 @@ def test_images_in_system_or_assistant_turns_are_refused() -> None:
             )
 
 
-def test_images_decode_in_the_planning_thread(vision_tokenizer, monkeypatch) -> None:
+def test_images_decode_in_the_planning_thread(planning, monkeypatch) -> None:
     """Through ``ctx.offload``, as the routes plan: never on the event loop's thread."""
     import asyncio
 
@@ -251,14 +250,14 @@ def test_images_decode_in_the_planning_thread(vision_tokenizer, monkeypatch) -> 
         return real(*args)
 
     monkeypatch.setattr(chat_images, "process_image", spy)
-    ctx = _ctx(vision_tokenizer)
+    ctx = _ctx(planning)
     body = _body(image_part(data_url(png(20, 16))))
     asyncio.run(ctx.offload(plan_chat, ctx, body, None, {}))
     assert seen and all(name.startswith("preprocess") for name in seen)
     ctx.pool.shutdown()
 
 
-def test_openai_image_url_as_a_plain_string_is_read_as_the_object(vision_tokenizer) -> None:
+def test_openai_image_url_as_a_plain_string_is_read_as_the_object(planning) -> None:
     body = _body({"type": "image_url", "image_url": data_url(png(20, 16))})
-    (image,) = _plan(_ctx(vision_tokenizer), body).calls[0].request.images
+    (image,) = _plan(_ctx(planning), body).calls[0].request.images
     assert image.image.tokens == TOKENS_20x16

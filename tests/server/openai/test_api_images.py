@@ -19,7 +19,6 @@ from image_helpers import (
     data_url,
     image_part,
     png,
-    tiny_vision_tokenizer,
 )
 from stub_engine import StubEngine, stub_client
 from tokenizers import Tokenizer
@@ -28,11 +27,6 @@ from engine.api.special_tokens import ASSISTANT, BOS, THINK_END, USER
 
 RED = png(640, 480)
 QUESTION = {"type": "text", "text": "What colour is it?"}
-
-
-@pytest.fixture(scope="module")
-def vision_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
-    return tiny_vision_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
 @pytest.fixture(scope="module")
