@@ -55,6 +55,8 @@ OPTIONS = " ".join(
         "--worker-timeout --worker-threads",
         # Added since: the chat page at / (server/playground/).
         "--no-playground",
+        # Added since: the vision tower's outputs per image (docs/design/images.md).
+        "--encoder-cache-bytes",
     )
 ).split()
 
@@ -88,6 +90,7 @@ ENGINE_DEFAULTS = {
     "worker_threads": None,
     "grammar_timeout_s": 10.0,
     "grammar_cache_bytes": 256 << 20,
+    "encoder_cache_bytes": 256 << 20,
     "grammar_workers": 2,
     "max_grammar_bytes": 64 << 20,
 }
