@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from api_helpers import API_KEY, LiveServer
+from api_helpers import API_KEY, PAGE_TOKENS, LiveServer
 from fastapi.testclient import TestClient
 from image_helpers import (
     TOKENS_640x480,
@@ -220,3 +220,25 @@ def test_live_bad_images_are_quick_400s(
     (card, *_) = live_server.client().models.list().data
     assert card.model_extra["input_modalities"] == ["text", "image"]
     assert httpx.get(live_server.base_url + "/health").status_code == 200
+
+
+def test_the_same_image_hits_the_cache_and_another_does_not(client: openai.OpenAI) -> None:
+    """Pages over a span are keyed by the image's content: the same pixels hit, an image
+    of the same size with one colour step more does not, from the span's first page on."""
+
+    def hit(colour: tuple[int, int, int]) -> tuple[int, int]:
+        content = [image_part(data_url(png(640, 480, colour))), QUESTION]
+        done = client.chat.completions.create(
+            model="deepseek-chat",
+            messages=[{"role": "user", "content": content}],
+            max_tokens=1,
+        )
+        return done.usage.model_extra["prompt_cache_hit_tokens"], done.usage.prompt_tokens
+
+    first, prompt_tokens = hit((11, 22, 33))
+    again, _ = hit((11, 22, 33))
+    other, _ = hit((11, 22, 34))
+    assert first == 0
+    # Every full page of the prompt, each overlapping the span (it covers tokens 2-207).
+    assert again == prompt_tokens // PAGE_TOKENS * PAGE_TOKENS >= 3 * PAGE_TOKENS
+    assert other == 0
