@@ -95,6 +95,7 @@ def create_app(engine: EngineClient, settings: ServerSettings | None = None) -> 
         token_texts=TokenTexts(tokenizer),
         admission=Admission(settings.max_concurrent_requests, settings.max_concurrent_sequences),
         pool=ThreadPoolExecutor(settings.preprocess_workers, thread_name_prefix="preprocess"),
+        vision=engine.vision,
     )
     # The schema and its UI are served by routes of our own, behind the API keys.
     app = FastAPI(
@@ -210,7 +211,12 @@ def _add_api_routes(app: FastAPI, ctx: ServingContext, auth: Callable[..., Any])
         )
 
     add_model_routes(
-        app, settings.served_model_name, auth, _ERRORS, max_model_len=ctx.engine.max_model_len
+        app,
+        settings.served_model_name,
+        auth,
+        _ERRORS,
+        max_model_len=ctx.engine.max_model_len,
+        takes_images=ctx.vision is not None,
     )
     add_messages_routes(app, ctx)
     add_playground_routes(app, enabled=settings.playground)

@@ -180,6 +180,50 @@ class ServerSettings:
         },
     )
 
+    # Images (docs/design/api.md, "Images"). Hosts whose http(s) image URLs the server
+    # fetches (vLLM's flag); none: only data: URLs are taken.
+    allowed_media_domains: tuple[str, ...] = field(
+        default=(),
+        metadata={
+            "group": "http",
+            "nargs": "+",
+            "help": "hosts whose http(s) image URLs are fetched (exact names, e.g. "
+            "images.example.com 127.0.0.1); default none: only data: URLs",
+        },
+    )
+    # vLLM's flag: a JSON object of per-modality counts ('{"image": 4}') or a number.
+    limit_mm_per_prompt: str = field(
+        default='{"image": 16}',
+        metadata={
+            "group": "limits",
+            "help": "images one request may carry, as vLLM's JSON ('{\"image\": 4}') or a "
+            "number; 0 refuses images (default %(default)s)",
+        },
+    )
+    max_image_bytes: int = field(
+        default=20 << 20,
+        metadata={
+            "group": "limits",
+            "help": "encoded bytes of one image, after base64 or download (default %(default)s)",
+        },
+    )
+    # Checked on the container's header, before a pixel is decoded (a decompression bomb).
+    max_image_pixels: int = field(
+        default=50_000_000,
+        metadata={
+            "group": "limits",
+            "help": "width x height of one decoded image (default %(default)s)",
+        },
+    )
+    media_fetch_timeout_s: float = field(
+        default=10.0,
+        metadata={
+            "group": "limits",
+            "flag": "--media-fetch-timeout",
+            "help": "seconds to download one image URL (default %(default)s)",
+        },
+    )
+
     # The chat page at / (server/playground/); off: / answers only its JSON index.
     playground: bool = field(
         default=True,
@@ -228,6 +272,36 @@ class ServerSettings:
                 raise ValueError(f"ServerSettings.{name} must be > 0")
         if any(not key for key in self.api_keys):
             raise ValueError("ServerSettings.api_keys: keys must not be empty")
+        parse_image_limit(self.limit_mm_per_prompt)  # a bad flag fails at start-up
+        for name in ("max_image_bytes", "max_image_pixels"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ServerSettings.{name} must be >= 1")
+        if not self.media_fetch_timeout_s > 0:
+            raise ValueError("ServerSettings.media_fetch_timeout_s must be > 0")
+        self.allowed_media_domains = tuple(d.strip().lower() for d in self.allowed_media_domains)
+
+    @property
+    def max_images(self) -> int:
+        """Images one request may carry (``limit_mm_per_prompt``'s ``image`` count)."""
+        return parse_image_limit(self.limit_mm_per_prompt)
+
+
+def parse_image_limit(text: str) -> int:
+    """``'{"image": 4}'`` (vLLM's form) or ``'4'`` -> 4; other modalities are refused."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if isinstance(value, dict):
+        unknown = set(value) - {"image"}
+        if unknown:
+            raise ValueError(f"--limit-mm-per-prompt: only images are served ({sorted(unknown)})")
+        value = value.get("image", 0)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"--limit-mm-per-prompt: {text!r} is not a count of images")
+    return value
 
 
 def collect_api_keys(

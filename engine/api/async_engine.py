@@ -22,6 +22,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from engine.api.errors import EngineDeadError
+from engine.api.model_vision import ModelVision, model_vision
 from engine.api.request import Request
 from engine.api.stream import StreamingClient
 from engine.config import EngineConfig
@@ -67,9 +68,11 @@ class AsyncEngine(StreamingClient):
         encoder_only: bool = False,
     ) -> None:
         """Load ``model`` ("tiny" = a seeded random tiny model, or a checkpoint
-        directory) and start the engine thread. ``engine``: use a prebuilt engine.
-        ``encoder_only``: a prefill worker's engine (see ``build_engine``)."""
+        directory) and start the engine thread. ``engine``: use a prebuilt engine
+        (``model`` still names what it was built from: the vision facts are read
+        from it). ``encoder_only``: a prefill worker's engine (see ``build_engine``)."""
         self.config = engine_config
+        self._vision = model_vision(model)
         self.engine = (
             engine
             if engine is not None
@@ -101,6 +104,10 @@ class AsyncEngine(StreamingClient):
     @property
     def eos_token_id(self) -> int | None:
         return self.engine.eos_token_id
+
+    @property
+    def vision(self) -> ModelVision | None:
+        return self._vision
 
     @property
     def is_running(self) -> bool:

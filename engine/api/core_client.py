@@ -36,6 +36,7 @@ from tokenizers import Tokenizer
 
 from engine.api import core_protocol as wire
 from engine.api.errors import EngineDeadError
+from engine.api.model_vision import ModelVision, model_vision
 from engine.api.request import Request
 from engine.api.stream import StreamingClient
 from engine.config import EngineConfig
@@ -65,6 +66,9 @@ class EngineCoreClient(StreamingClient):
         """Spawn the core for ``model`` ("tiny" or a checkpoint directory) and wait until
         it has loaded it. Raises ``RuntimeError`` if the core fails or exits first."""
         self.config = engine_config
+        # Read here from the config the core loads (a JSON file): the core's ready
+        # message need not carry it.
+        self._vision = model_vision(model)
         self._dir = tempfile.mkdtemp(prefix="flashserve-core-")
         self._zmq = zmq.Context()
         self._out = self._zmq.socket(zmq.PUSH)
@@ -136,6 +140,10 @@ class EngineCoreClient(StreamingClient):
     @property
     def eos_token_id(self) -> int | None:
         return self._eos_token_id
+
+    @property
+    def vision(self) -> ModelVision | None:
+        return self._vision
 
     @property
     def is_running(self) -> bool:

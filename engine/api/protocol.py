@@ -14,6 +14,7 @@ from typing import Protocol
 
 from tokenizers import Tokenizer
 
+from engine.api.model_vision import ModelVision
 from engine.api.request import Request, RequestOutput
 from engine.core.llm_engine import EngineStats
 
@@ -83,3 +84,8 @@ class EngineClient(Protocol):
 
     @property
     def eos_token_id(self) -> int | None: ...
+
+    @property
+    def vision(self) -> ModelVision | None:
+        """The image processor settings and placeholder id; None for a text-only model."""
+        ...

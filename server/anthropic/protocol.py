@@ -3,8 +3,8 @@
 Requests ignore unknown fields, as DeepSeek's Anthropic API does (``container``,
 ``mcp_servers``, ``service_tier``, ``cache_control`` on any block, ...): agents
 send what the real API takes, and refusing it would break them. Content blocks
-are read by their ``type``; an unknown block type is a 400 naming it, an image
-a 400 saying images are not served yet.
+are read by their ``type``; an unknown block type is a 400 naming it. ``image``
+blocks (base64 or URL sources) are served in user messages; documents are not.
 
 Every range check that differs from the chat path's (``max_tokens`` required,
 tool names) is made here; the rest is checked once, by the internal chat
@@ -30,8 +30,8 @@ from server.chat.tool_schemas import check_tool_schemas
 from server.http.input_checks import check_body
 
 INPUT_SCHEMA_FIELD = "tools[{i}].input_schema"
-# Anthropic's block types for media; none is served yet.
-MEDIA_BLOCK_TYPES = frozenset({"image", "document", "search_result"})
+# Anthropic's block types for media other than images: not served.
+MEDIA_BLOCK_TYPES = frozenset({"document", "search_result"})
 
 StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
 
@@ -51,6 +51,30 @@ def _format_error(message: str, **ctx: Any) -> PydanticCustomError:
 class TextBlock(_Request):
     type: Literal["text"]
     text: str
+
+
+class Base64Source(_Request):
+    type: Literal["base64"]
+    media_type: str
+    data: str
+
+
+class UrlSource(_Request):
+    type: Literal["url"]
+    url: str
+
+
+class ImageBlock(_Request):
+    """An image, inline (base64) or by URL; the chat path decodes or fetches it."""
+
+    type: Literal["image"]
+    source: Annotated[Base64Source | UrlSource, Field(discriminator="type")]
+
+    def url(self) -> str:
+        """The source as the chat path's ``image_url`` takes it (a data URL for base64)."""
+        if isinstance(self.source, UrlSource):
+            return self.source.url
+        return f"data:{self.source.media_type};base64,{self.source.data}"
 
 
 class ToolUseBlock(_Request):
@@ -74,8 +98,12 @@ class ToolResultBlock(_Request):
     @classmethod
     def _media(cls, data: Any) -> Any:
         for block in data.get("content") or () if isinstance(data, dict) else ():
-            if isinstance(block, dict) and block.get("type") in MEDIA_BLOCK_TYPES:
-                raise PydanticCustomError("not_served", "images are not supported yet")
+            if isinstance(block, dict) and block.get("type") in MEDIA_BLOCK_TYPES | {"image"}:
+                raise PydanticCustomError(
+                    "not_served",
+                    "media inside a tool_result is not served; send images as image "
+                    "blocks of the user message",
+                )
         return data
 
     def text(self) -> str:
@@ -107,10 +135,13 @@ def _block_type(value: Any) -> str | None:
     return kind if kind in _BLOCK_TAGS else None
 
 
-_BLOCK_TAGS = frozenset({"text", "tool_use", "tool_result", "thinking", "redacted_thinking"})
+_BLOCK_TAGS = frozenset(
+    {"text", "image", "tool_use", "tool_result", "thinking", "redacted_thinking"}
+)
 
 ContentBlock = Annotated[
     Annotated[TextBlock, Tag("text")]
+    | Annotated[ImageBlock, Tag("image")]
     | Annotated[ToolUseBlock, Tag("tool_use")]
     | Annotated[ToolResultBlock, Tag("tool_result")]
     | Annotated[ThinkingBlock, Tag("thinking")]
@@ -136,7 +167,7 @@ class Message(_Request):
             kind = block.get("type") if isinstance(block, dict) else None
             if kind in MEDIA_BLOCK_TYPES:
                 raise PydanticCustomError(
-                    "not_served", "content[{j}]: images are not supported yet", {"j": j}
+                    "not_served", "content[{j}]: '{t}' blocks are not served", {"j": j, "t": kind}
                 )
             if kind not in _BLOCK_TAGS:
                 raise _format_error(
@@ -152,7 +183,7 @@ class Message(_Request):
         if isinstance(self.content, str):
             return self
         allowed = {
-            "user": {"text", "tool_result"},
+            "user": {"text", "image", "tool_result"},
             "system": {"text"},
             "assistant": {"text", "tool_use", "thinking", "redacted_thinking"},
         }[self.role]
@@ -335,6 +366,8 @@ class AnthropicModel(BaseModel):
     id: str
     display_name: str
     created_at: str
+    # Not Anthropic's: the same field as /v1/models, so a client sees image support here too.
+    input_modalities: list[Literal["text", "image"]] | None = None
 
 
 class AnthropicModelList(BaseModel):

@@ -31,6 +31,7 @@ from server.http.auth import x_api_key_dependency
 from server.http.sse import MEDIA_TYPE
 from server.openai.generation import ServingContext
 from server.openai.model_names import model_ids
+from server.openai.protocol import input_modalities
 
 BASE = "/anthropic"
 # A fixed date: the served model has no release date of its own to report.
@@ -66,7 +67,13 @@ def add_messages_routes(app: FastAPI, ctx: ServingContext) -> None:
 
     async def models(_: Annotated[str | None, Depends(auth)]) -> AnthropicModelList:
         ids = model_ids(ctx.settings.served_model_name)
-        data = [AnthropicModel(id=i, display_name=i, created_at=MODEL_CREATED_AT) for i in ids]
+        modalities = input_modalities(ctx.vision is not None)
+        data = [
+            AnthropicModel(
+                id=i, display_name=i, created_at=MODEL_CREATED_AT, input_modalities=modalities
+            )
+            for i in ids
+        ]
         return AnthropicModelList(data=data, first_id=ids[0], last_id=ids[-1])
 
     async def hello() -> dict[str, str]:

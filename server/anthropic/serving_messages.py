@@ -47,7 +47,7 @@ from server.anthropic.protocol import (
 )
 from server.anthropic.translate import to_chat_request
 from server.chat.chat_output import ChatOutputParser, ChatPiece
-from server.chat.chat_plan import ChatPlan, plan_chat
+from server.chat.chat_plan import ChatPlan, fetch_chat_images, plan_chat
 from server.http.errors import APIError
 from server.http.sse import KEEP_ALIVE
 from server.openai.generation import ChoiceUpdate, Generation, ServingContext
@@ -96,7 +96,9 @@ async def create_message(
     ctx: ServingContext, body: MessagesRequest, *, api_key: str | None, http_request: HttpRequest
 ) -> Response:
     check_fan_out(ctx, 1, 1)
-    plan = await ctx.offload(_plan, ctx, body, api_key)
+    chat = to_chat_request(body, ctx.settings.served_model_name)
+    fetched = await fetch_chat_images(ctx, chat)
+    plan = await ctx.offload(plan_chat, ctx, chat, api_key, fetched)
     return await serve(
         ctx,
         plan.calls,
@@ -109,18 +111,16 @@ async def create_message(
     )
 
 
-def _plan(ctx: ServingContext, body: MessagesRequest, api_key: str | None) -> ChatPlan:
-    return plan_chat(ctx, to_chat_request(body, ctx.settings.served_model_name), api_key)
-
-
 async def count_tokens(
     ctx: ServingContext, body: CountTokensRequest, *, api_key: str | None
 ) -> CountTokensResponse:
-    """The prompt's length as a ``create`` of the same body would send it to the engine."""
+    """The prompt's length as a ``create`` of the same body would send it to the engine
+    (each image's span included)."""
+    chat = to_chat_request(body, ctx.settings.served_model_name, for_counting=True)
+    fetched = await fetch_chat_images(ctx, chat)
 
     def count() -> int:
-        chat = to_chat_request(body, ctx.settings.served_model_name, for_counting=True)
-        plan = plan_chat(ctx, chat, api_key)
+        plan = plan_chat(ctx, chat, api_key, fetched)
         return len(plan.calls[0].request.prompt_token_ids)
 
     return CountTokensResponse(input_tokens=await ctx.offload(count))

@@ -32,6 +32,7 @@ from pydantic import ValidationError
 
 from server.anthropic.protocol import (
     CountTokensRequest,
+    ImageBlock,
     MessagesRequest,
     RedactedThinkingBlock,
     TextBlock,
@@ -145,11 +146,16 @@ def _user(message: AnthropicMessage) -> list[dict[str, Any]]:
                     "content": TOOL_ERROR_PREFIX + text if block.is_error else text,
                 }
             )
-        elif isinstance(block, TextBlock):
-            if out and out[-1]["role"] == "user":  # adjacent text blocks: one message's parts
-                out[-1]["content"].append({"type": "text", "text": block.text})
+        elif isinstance(block, TextBlock | ImageBlock):
+            part: dict[str, Any] = (
+                {"type": "text", "text": block.text}
+                if isinstance(block, TextBlock)
+                else {"type": "image_url", "image_url": {"url": block.url()}}
+            )
+            if out and out[-1]["role"] == "user":  # adjacent blocks: one message's parts
+                out[-1]["content"].append(part)
             else:
-                out.append({"role": "user", "content": [{"type": "text", "text": block.text}]})
+                out.append({"role": "user", "content": [part]})
     if not out:  # every block dropped: still a user turn
         out.append({"role": "user", "content": ""})
     return out

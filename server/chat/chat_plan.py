@@ -11,12 +11,20 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from engine.api.request import Request
 from engine.api.sampling_params import StructuredOutputSpec
 from engine.api.special_tokens import DSML, THINK_END, THINK_START
 from server.chat.chat_encoding import ASSISTANT, encode_chat, ends_inside_reasoning
+from server.chat.chat_images import (
+    check_images_allowed,
+    image_sources,
+    place_images,
+    process_images,
+)
+from server.chat.image_sources import fetch_remote_images
 from server.chat.structured_output import structured_output_spec
 from server.http.auth import tenant_salt
 from server.openai.generation import EngineCall, ServingContext
@@ -40,10 +48,36 @@ class ChatPlan:
     calls: list[EngineCall]
 
 
-def plan_chat(ctx: ServingContext, body: ChatCompletionRequest, api_key: str | None) -> ChatPlan:
-    """Prompt, sampling and grammar of every choice; raises ``APIError`` for what cannot run."""
+async def fetch_chat_images(ctx: ServingContext, body: ChatCompletionRequest) -> dict[str, bytes]:
+    """The bodies of the request's http(s) image URLs, by part (``plan_chat`` takes them).
+
+    On the event loop, before planning: whether images are taken at all, how many,
+    and each URL's host are checked first, so a refused request opens no connection."""
+    sources = image_sources(body.messages)
+    check_images_allowed(sources, ctx.vision, ctx.settings)
+    settings = ctx.settings
+    return await fetch_remote_images(
+        sources,
+        settings.allowed_media_domains,
+        settings.max_image_bytes,
+        settings.media_fetch_timeout_s,
+    )
+
+
+def plan_chat(
+    ctx: ServingContext,
+    body: ChatCompletionRequest,
+    api_key: str | None,
+    fetched: Mapping[str, bytes] | None = None,
+) -> ChatPlan:
+    """Prompt, sampling and grammar of every choice; raises ``APIError`` for what cannot run.
+
+    ``fetched``: the request's remote images (``fetch_chat_images``); data URLs are
+    decoded here. Runs in a planning thread: images are decoded off the event loop."""
     route = resolve_model(body.model, ctx.settings.served_model_name)
     bias = logit_bias(body, ctx.engine.vocab_size)  # cheap checks before the expensive work
+    sources = image_sources(body.messages)
+    check_images_allowed(sources, ctx.vision, ctx.settings)
     thinking = thinking_enabled(
         route, body.thinking.type if body.thinking else None, body.reasoning_effort
     )
@@ -58,6 +92,11 @@ def plan_chat(ctx: ServingContext, body: ChatCompletionRequest, api_key: str | N
         response_format=body.response_format,
     )
     ids = ctx.encode(prompt, "messages")
+    images = []
+    if ctx.vision is not None:  # each placeholder becomes its image's span
+        processed = process_images(sources, fetched or {}, ctx.vision, ctx.settings)
+        placed = place_images(ids, processed, ctx.vision.image_token_id)
+        ids, images = placed.prompt_token_ids, placed.images
     max_tokens = resolve_max_tokens(
         body.max_output_tokens,
         len(ids),
@@ -98,7 +137,8 @@ def plan_chat(ctx: ServingContext, body: ChatCompletionRequest, api_key: str | N
             structured=spec,
             prompt_logprobs=body.prompt_logprobs if k == 0 else None,  # one call scores it
         )
-        return EngineCall(Request(f"{request_id}-{k}", ids, params, cache_salt=salt), k)
+        request = Request(f"{request_id}-{k}", ids, params, cache_salt=salt, images=images)
+        return EngineCall(request, k)
 
     if grammar is None:
         calls = [call(0, body.n, None)]

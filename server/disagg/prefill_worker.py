@@ -24,9 +24,9 @@ from pydantic import BaseModel
 
 from engine.api.errors import RequestError
 from engine.api.protocol import PrefillResult
-from engine.api.request import Request
+from engine.api.request import ImageInput, Request
 from engine.api.sampling_params import SamplingParams
-from server.chat.chat_plan import plan_chat
+from server.chat.chat_plan import fetch_chat_images, plan_chat
 from server.http.auth import tenant_salt
 from server.http.errors import from_engine_error, unavailable
 from server.openai.generation import ClientGone, ServingContext
@@ -60,11 +60,14 @@ def add_prefill_routes(
         http: HttpRequest,
         api_key: Annotated[str | None, Depends(auth)],
     ) -> PrefillResponse | Response:
-        calls = (await ctx.offload(plan_chat, ctx, body, api_key)).calls
+        fetched = await fetch_chat_images(ctx, body)
+        calls = (await ctx.offload(plan_chat, ctx, body, api_key, fetched)).calls
         # Choices with grammars of their own share one prompt: prefill it once.
         request = calls[0].request
         ids, salt = [request.prompt_token_ids], request.cache_salt
-        return await _publish(ctx, ids, salt, "messages", http.is_disconnected)
+        return await _publish(
+            ctx, ids, salt, "messages", http.is_disconnected, images=[request.images]
+        )
 
     def completions(fim: bool) -> Callable[..., Awaitable[PrefillResponse | Response]]:
         async def endpoint(
@@ -94,14 +97,23 @@ async def _publish(
     salt: bytes | str,
     prompt_param: str,
     is_disconnected: Callable[[], Awaitable[bool]],
+    images: list[list[ImageInput]] | None = None,
 ) -> PrefillResponse | Response:
-    """Prefill and publish every prompt; a router that gave up (timed out, or its
-    client left) aborts the work, as a client of the public API does."""
+    """Prefill and publish every prompt (``images``: each prompt's, as the planner
+    placed them); a router that gave up (timed out, or its client left) aborts the
+    work, as a client of the public API does."""
     if not ctx.engine.is_running:
         raise unavailable("The engine is not running")
     rid = f"prefill-{uuid.uuid4().hex}"
     requests = [
-        Request(f"{rid}-{i}", ids, SamplingParams(max_tokens=1), cache_salt=salt, prefill_only=True)
+        Request(
+            f"{rid}-{i}",
+            ids,
+            SamplingParams(max_tokens=1),
+            cache_salt=salt,
+            prefill_only=True,
+            images=images[i] if images else [],
+        )
         for i, ids in enumerate(prompts)
     ]
     for r in requests:

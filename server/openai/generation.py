@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 from tokenizers import Tokenizer
 
 from engine.api.errors import RequestError
+from engine.api.model_vision import ModelVision
 from engine.api.protocol import EngineClient
 from engine.api.request import CompletionOutput, Request, RequestOutput, TokenLogprob, Usage
 from server.disagg.handover import (
@@ -121,6 +122,8 @@ class ServingContext:
     pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(4, thread_name_prefix="preprocess")
     )
+    # The model's image facts (``EngineClient.vision``); None: it takes text only.
+    vision: ModelVision | None = None
     # Most text bytes one token stands for: a prompt of B bytes has at least
     # B / max_token_bytes tokens, which can refuse it before tokenising.
     max_token_bytes: int = 0

@@ -1,9 +1,10 @@
 """``GET /v1/models`` (and ``/models``) and ``GET /v1/models/{model}``.
 
-The answer depends only on the served model name and the engine's context
-(``max_model_len``, vLLM's field, the same for every alias: they all route to
-the one model), so a router without an engine serves the same routes as a
-server with one, without the context length it does not know.
+The answer depends only on the served model name, the engine's context
+(``max_model_len``, vLLM's field) and whether the model takes images
+(``input_modalities``), the same for every alias: they all route to the one
+model. A router without an engine serves the same routes, without the two
+facts it does not know.
 """
 
 # No `from __future__ import annotations`: FastAPI reads the route signatures at runtime.
@@ -14,7 +15,7 @@ from fastapi import Depends, FastAPI
 
 from server.http.errors import APIError
 from server.openai.model_names import model_ids
-from server.openai.protocol import ModelCard, ModelList
+from server.openai.protocol import ModelCard, ModelList, input_modalities
 
 
 def add_model_routes(
@@ -24,9 +25,12 @@ def add_model_routes(
     responses: dict[int | str, dict[str, Any]] | None = None,
     *,
     max_model_len: int | None = None,
+    takes_images: bool | None = None,
 ) -> None:
+    modalities = None if takes_images is None else input_modalities(takes_images)
+
     def card(name: str) -> ModelCard:
-        return ModelCard(id=name, max_model_len=max_model_len)
+        return ModelCard(id=name, max_model_len=max_model_len, input_modalities=modalities)
 
     async def list_models(_: Annotated[str | None, Depends(auth)]) -> ModelList:
         return ModelList(data=[card(name) for name in model_ids(served_model_name)])

@@ -27,6 +27,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from engine.api.errors import RequestError
+from engine.api.model_vision import IMAGE_PLACEHOLDER
 from engine.api.request_limits import output_budget
 from engine.api.sampling_params import MAX_TOP_LOGPROBS
 from server.chat.tool_schemas import check_tool_schemas
@@ -49,8 +50,14 @@ REASONING_EFFORT_ALIASES: dict[str, int] = {
     "max": 100,
 }
 DEFAULT_REASONING_EFFORT = 75
-# OpenAI lists these part types for images; none is served yet.
-IMAGE_PART_TYPES = frozenset({"image_url", "input_image", "image"})
+# Part types other APIs use for images; a chat message takes ``image_url`` parts.
+OTHER_IMAGE_PART_TYPES = frozenset({"input_image", "image"})
+# Roles whose content may hold images: a user turn, and tool results (the V4.1
+# template folds those into the user turn). The model never saw an image in a
+# system or assistant turn.
+IMAGE_ROLES = frozenset({"user", "tool"})
+# ``content_text`` writes the model's image placeholder (``IMAGE_PLACEHOLDER``) once per
+# image part; the planner expands it to the image's span (server/chat/chat_images.py).
 
 FinishReason = Literal[
     "stop", "length", "tool_calls", "content_filter", "insufficient_system_resource"
@@ -80,33 +87,68 @@ def _drop_none(data: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
 # ---------------------------------------------------------------- request pieces
 
 
+class ImageUrl(_Request):
+    """OpenAI's ``image_url`` object: a ``data:`` or ``http(s)`` URL; ``detail`` is
+    accepted and not used (the resize plan alone sets an image's token count)."""
+
+    url: str
+    detail: str | None = None  # OpenAI's "auto" / "low" / "high", or a newer level
+
+
 class ContentPart(_Request):
-    """One part of a list-valued ``content``; only text is served."""
+    """One part of a list-valued ``content``: ``text`` or ``image_url``."""
 
     model_config = ConfigDict(extra="allow")
     type: str
     text: str | None = None
+    image_url: ImageUrl | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _url_string(cls, data: Any) -> Any:
+        # Some clients send ``"image_url": "<url>"``; read it as ``{"url": ...}``.
+        if isinstance(data, dict) and isinstance(data.get("image_url"), str):
+            return {**data, "image_url": {"url": data["image_url"]}}
+        return data
 
     @model_validator(mode="after")
     def _served(self) -> ContentPart:
-        if self.type in IMAGE_PART_TYPES:
-            raise PydanticCustomError("not_served", "image input is not served yet")
+        if self.type == "image_url":
+            if self.image_url is None:
+                raise _format_error("an 'image_url' part needs an 'image_url' object with a 'url'")
+            return self
+        if self.type in OTHER_IMAGE_PART_TYPES:
+            raise _format_error(
+                "unsupported content part type '{t}'; images go in 'image_url' parts", t=self.type
+            )
         if self.type != "text":
             raise _format_error(
-                "unsupported content part type '{t}'; only 'text' is served", t=self.type
+                "unsupported content part type '{t}'; served: 'text', 'image_url'", t=self.type
             )
         if self.text is None:
             raise _format_error("a 'text' part needs a string 'text'")
         return self
 
+    @property
+    def is_image(self) -> bool:
+        return self.type == "image_url"
+
 
 def content_text(content: str | list[ContentPart] | None) -> str:
-    """Text of a message's content; list parts are joined by a blank line (as V4.1's encoder)."""
+    """Text of a message's content; list parts are joined by a blank line (as V4.1's
+    encoder), an image part standing as one placeholder at its place."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    return "\n\n".join(part.text or "" for part in content)
+    return "\n\n".join(IMAGE_PLACEHOLDER if part.is_image else part.text or "" for part in content)
+
+
+def image_parts(content: str | list[ContentPart] | None) -> list[tuple[int, ImageUrl]]:
+    """``(part index, image_url)`` of each image part, in order."""
+    if not isinstance(content, list):
+        return []
+    return [(j, p.image_url) for j, p in enumerate(content) if p.is_image and p.image_url]
 
 
 class FunctionCall(_Request):
@@ -155,6 +197,11 @@ class ChatMessage(_Request):
             raise _format_error("a tool message needs 'tool_call_id'")
         if self.role != "assistant" and (self.tool_calls or self.prefix):
             raise _format_error("only assistant messages carry 'tool_calls' or 'prefix'")
+        if self.role not in IMAGE_ROLES and image_parts(self.content):
+            raise _format_error(
+                "a {role} message cannot hold images; send them in a user message",
+                role=self.role,
+            )
         return self
 
     def text(self) -> str:
@@ -689,6 +736,13 @@ class ModelCard(BaseModel):
     # vLLM's field: prompt plus output tokens one request may hold, so a client can size
     # its prompts and its compaction. None where no engine is known (a router).
     max_model_len: int | None = None
+    # What a request may hold: ["text", "image"] for a model with a vision tower, else
+    # ["text"] (the playground reads it). None where no engine is known (a router).
+    input_modalities: list[Literal["text", "image"]] | None = None
+
+
+def input_modalities(takes_images: bool) -> list[Literal["text", "image"]]:
+    return ["text", "image"] if takes_images else ["text"]
 
 
 class ModelList(BaseModel):

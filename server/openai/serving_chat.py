@@ -16,7 +16,7 @@ from fastapi.responses import Response
 
 from engine.api.special_tokens import THINK_END
 from server.chat.chat_output import ChatOutputParser
-from server.chat.chat_plan import ChatPlan, plan_chat
+from server.chat.chat_plan import ChatPlan, fetch_chat_images, plan_chat
 from server.http.sse import event
 from server.openai.generation import ChoiceUpdate, Generation, ServingContext
 from server.openai.logprobs import prompt_logprob_entries
@@ -42,8 +42,9 @@ async def create_chat_completion(
     http_request: HttpRequest,
 ) -> Response:
     check_fan_out(ctx, body.n, 1)
-    # Tokenising happens off the event loop (ServingContext.offload).
-    plan = await ctx.offload(plan_chat, ctx, body, api_key)
+    fetched = await fetch_chat_images(ctx, body)
+    # Tokenising and decoding images happen off the event loop (ServingContext.offload).
+    plan = await ctx.offload(plan_chat, ctx, body, api_key, fetched)
     return await serve(
         ctx,
         plan.calls,

@@ -57,6 +57,9 @@ OPTIONS = " ".join(
         "--no-playground",
         # Added since: the vision tower's outputs per image (docs/design/images.md).
         "--encoder-cache-bytes",
+        # Added since: images through the APIs (README "Images").
+        "--allowed-media-domains --limit-mm-per-prompt --max-image-bytes",
+        "--max-image-pixels --media-fetch-timeout",
     )
 ).split()
 
@@ -115,6 +118,11 @@ SERVER_DEFAULTS = {
     "body_read_timeout_s": 60.0,
     "prices": None,
     "vllm_metric_aliases": False,
+    "allowed_media_domains": (),
+    "limit_mm_per_prompt": '{"image": 16}',
+    "max_image_bytes": 20 << 20,
+    "max_image_pixels": 50_000_000,
+    "media_fetch_timeout_s": 10.0,
     "playground": True,
 }
 
@@ -325,6 +333,29 @@ def test_limit_flags_and_zero_means_no_limit() -> None:
     assert (engine["grammar_timeout_s"], engine["grammar_cache_bytes"]) == (1.5, 1000)
     assert (engine["grammar_workers"], engine["max_grammar_bytes"]) == (3, 5000)
     assert _settings("--max-concurrent-sequences", "300")["max_concurrent_sequences"] == 300
+
+
+def test_image_flags() -> None:
+    argv = (
+        *("--allowed-media-domains", "Images.Example.com", "127.0.0.1"),
+        *("--limit-mm-per-prompt", '{"image": 4}', "--max-image-bytes", "1000"),
+        *("--max-image-pixels", "5000", "--media-fetch-timeout", "2.5"),
+    )
+    assert _settings(*argv) == {
+        **SERVER_DEFAULTS,
+        "allowed_media_domains": ("images.example.com", "127.0.0.1"),  # host names: case-blind
+        "limit_mm_per_prompt": '{"image": 4}',
+        "max_image_bytes": 1000,
+        "max_image_pixels": 5000,
+        "media_fetch_timeout_s": 2.5,
+    }
+    from server.settings import ServerSettings
+
+    assert ServerSettings(limit_mm_per_prompt='{"image": 4}').max_images == 4
+    assert ServerSettings(limit_mm_per_prompt="3").max_images == 3  # a plain number too
+    for bad in ('{"video": 1}', '{"image": -1}', "many", '{"image": true}'):
+        with pytest.raises(ValueError, match="--limit-mm-per-prompt"):
+            ServerSettings(limit_mm_per_prompt=bad)
 
 
 def test_serve_options() -> None:

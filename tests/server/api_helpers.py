@@ -110,6 +110,8 @@ def start_server(cache: Path, tmp: Path) -> LiveServer:
     args += ["--default-max-tokens", str(DEFAULT_MAX_TOKENS), "--page-tokens", str(PAGE_TOKENS)]
     args += ["--kv-cache-bytes", str(KV_CACHE_BYTES), "--kv-dir", str(tmp / "kv")]
     args += ["--vllm-metric-aliases"]
+    # Image URLs of the loopback host a test serves (tests/server/openai/test_api_images.py).
+    args += ["--allowed-media-domains", "127.0.0.1"]
     # The API tests serve the tiny model dequantised: its packed path (per-step
     # tile decode, activation quantisation) costs 1.2-1.6x per CPU step, and these
     # tests check the API, not numerics. The packed default is tested at engine level

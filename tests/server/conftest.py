@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -38,6 +39,14 @@ def live_server(tiny_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> I
 @pytest.fixture(scope="session")
 def client(live_server: LiveServer) -> openai.OpenAI:
     return live_server.client()
+
+
+@pytest.fixture(scope="session")
+def vision_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> tuple[Tokenizer, Any]:
+    """The tiny checkpoint's tokenizer and vision facts, without a server (image tests)."""
+    from image_helpers import tiny_vision_tokenizer
+
+    return tiny_vision_tokenizer(tmp_path_factory.mktemp("vision-tokenizer"))
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from fastapi.testclient import TestClient
 
+from engine.api.model_vision import ModelVision
 from engine.loader.tokenizer import load_tokenizer
 from server.app import create_app
 from server.settings import ServerSettings
@@ -20,6 +21,7 @@ class StubEngine:
     max_model_len: int = 1024
     is_running: bool = True
     stalled: float = 0.0
+    vision: ModelVision | None = None
 
     def stalled_for(self) -> float:
         return self.stalled

@@ -215,7 +215,8 @@ def test_sdk_errors(live_server: LiveServer) -> None:
         sdk(live_server).messages.create(
             model="claude-x", max_tokens=1, messages=[{"role": "user", "content": [image]}]
         )
-    assert "images are not supported yet" in info.value.body["error"]["message"]
+    # Served, and refused for what it holds: two bytes are no image.
+    assert "not a PNG, JPEG, WebP or GIF image" in info.value.body["error"]["message"]
 
 
 def test_models_list(live_server: LiveServer) -> None:

@@ -326,12 +326,16 @@ def _refusal(body: dict[str, Any]) -> str:
 
 def test_refused_shapes_say_what_is_wrong() -> None:
     image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": ""}}
-    assert "images are not supported yet" in _refusal(
-        {"messages": [{"role": "user", "content": [image]}]}
-    )
     nested = {"type": "tool_result", "tool_use_id": "t", "content": [image]}
-    assert "images are not supported yet" in _refusal(
+    assert "media inside a tool_result is not served" in _refusal(
         {"messages": [{"role": "user", "content": [nested]}]}
+    )
+    assert "cannot hold a 'image' block" in _refusal(
+        {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": [image]}]}
+    )
+    document = {"type": "document", "source": {}}
+    assert "'document' blocks are not served" in _refusal(
+        {"messages": [{"role": "user", "content": [document]}]}
     )
     assert "unsupported content block type 'video'" in _refusal(
         {"messages": [{"role": "user", "content": [{"type": "video"}]}]}

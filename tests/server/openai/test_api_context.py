@@ -36,7 +36,10 @@ def test_models_report_max_model_len_for_every_name(live_server: LiveServer) -> 
         assert _get(live_server, f"/v1/models/{card['id']}") == card
     # The openai SDK keeps the field (an extra on its Model type).
     model = live_server.client().models.retrieve("deepseek-chat")
-    assert model.model_extra == {"max_model_len": MAX_MODEL_LEN}
+    assert model.model_extra == {
+        "max_model_len": MAX_MODEL_LEN,
+        "input_modalities": ["text", "image"],
+    }
 
 
 def _chat_body(text: str, **extra: object) -> dict:

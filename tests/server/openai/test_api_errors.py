@@ -275,4 +275,5 @@ def test_unknown_path_method_and_model_card(live_server: LiveServer) -> None:
         "created": 0,
         "owned_by": "deepseek",
         "max_model_len": MAX_MODEL_LEN,
+        "input_modalities": ["text", "image"],  # the tiny checkpoint has a vision tower
     }

@@ -116,18 +116,32 @@ def test_accessors() -> None:
         (
             {
                 "messages": [
+                    {"role": "user", "content": "a"},
                     {
-                        "role": "user",
-                        "content": [
-                            {"type": "text", "text": "a"},
-                            {"type": "image_url", "image_url": {"url": "x"}},
-                        ],
-                    }
+                        "role": "assistant",
+                        "content": [{"type": "image_url", "image_url": {"url": "data:x"}}],
+                    },
                 ]
             },
             400,
-            "messages[0].content[1]",
-            "image input is not served yet",
+            "messages[1]",
+            "assistant message cannot hold images",
+        ),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}
+                ]
+            },
+            400,
+            "messages[0].content[0]",
+            "images go in 'image_url' parts",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            400,
+            "messages[0].content[0]",
+            "needs an 'image_url' object",
         ),
         ({"messages": [{"role": "bot", "content": "x"}]}, 400, "messages[0].role", "'system'"),
         ({"messages": []}, 400, "messages", "must not be empty"),
@@ -451,13 +465,19 @@ def test_completion_message_shapes() -> None:
     }
     plain = json.loads(ResponseMessage(content="hi").model_dump_json())
     assert plain == {"role": "assistant", "content": "hi"}
-    models = ModelList(data=[ModelCard(id=i, max_model_len=65536) for i in model_ids()])
+    models = ModelList(
+        data=[
+            ModelCard(id=i, max_model_len=65536, input_modalities=["text", "image"])
+            for i in model_ids()
+        ]
+    )
     assert json.loads(models.model_dump_json())["data"][0] == {
         "id": "deepseek-flash",
         "object": "model",
         "created": 0,
         "owned_by": "deepseek",
         "max_model_len": 65536,
+        "input_modalities": ["text", "image"],
     }
     # Where no engine is known (the split deployment's router) the field is null.
     assert json.loads(ModelCard(id="deepseek-flash").model_dump_json())["max_model_len"] is None
