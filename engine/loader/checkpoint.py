@@ -92,6 +92,10 @@ def load_checkpoint(
     model = _build(spec.model_class, config, dtype, device, engram_mmap, experts_packed, parallel)
     if encoder_only:
         model.drop_decoder_layers()
+    if not any(spec.weights.is_drafter(n) for n in files):
+        # An export without the drafter loads the text model alone (a partial one is
+        # refused by the plan: its missing tensors are named).
+        model.drop_drafter()
     packed_linears: list[str] = []
     if quantization == "auto":
         with Shards(files) as shards:

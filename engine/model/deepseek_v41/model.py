@@ -16,6 +16,7 @@ from torch import nn
 from engine.model.base import CausalLM
 from engine.model.deepseek_v41.attention import Selections
 from engine.model.deepseek_v41.config import ModelConfig
+from engine.model.deepseek_v41.dspark.drafter import DSparkDrafter
 from engine.model.deepseek_v41.engram import engram_hash_windows
 from engine.model.deepseek_v41.layer import Block
 from engine.model.deepseek_v41.mhc import hc_collapse, hc_initial_pre
@@ -36,13 +37,16 @@ class DeepseekV41(CausalLM):
     span vectors ``image_start``, ``image_newline``, ``image_end``, at the root as
     in the release).
 
-    DSpark (``mtp.*``) weights are not part of the model; the loader skips them
-    with a notice.
+    With ``num_nextn_predict_layers`` > 0 the DSpark drafter too (``mtp``: its
+    stages ``mtp.<i>.*``, registered last so a seed gives the same text and vision
+    weights with or without it); ``dspark`` is it, or None (no drafter in the config,
+    or ``drop_drafter`` ran because the checkpoint carries none).
     """
 
     engram_vocab_map: torch.Tensor
     vision: VisionTransformer | None
     aligner: Aligner | None
+    mtp: DSparkDrafter | None
 
     def __init__(self, config: ModelConfig, parallel: Parallel = SINGLE) -> None:
         super().__init__()
@@ -72,6 +76,19 @@ class DeepseekV41(CausalLM):
             self.image_start = nn.Parameter(torch.zeros(config.hidden_size))
             self.image_newline = nn.Parameter(torch.zeros(config.hidden_size))
             self.image_end = nn.Parameter(torch.zeros(config.hidden_size))
+        # One process only for now: the stages would need their own TP / EP shares.
+        single = parallel.tp_size == 1 and parallel.ep_size == 1
+        self.mtp = DSparkDrafter(config) if config.num_nextn_predict_layers and single else None
+
+    @property
+    def dspark(self) -> DSparkDrafter | None:
+        """The DSpark drafter (its stages ``mtp.*``), or None."""
+        return self.mtp
+
+    def drop_drafter(self) -> None:
+        """Forget the drafter: the checkpoint has no ``mtp.*`` tensors (an export
+        without one, the demo model before its drafter is trained)."""
+        self.mtp = None
 
     @property
     def blocks(self) -> list[Block]:
