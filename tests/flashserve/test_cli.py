@@ -86,9 +86,13 @@ def test_make_tiny_then_inspect_the_directory(
     )
     ckpt = data["checkpoint"]
     assert set(ckpt["by_dtype"]) == {"BF16", "F32", "F8_E4M3", "F8_E8M0", "I8"}
-    # make-tiny carries one tensor of each kind the release holds and the model
-    # skips by rule: DSpark (mtp.*); its vision tower is served (read, not skipped).
-    assert ckpt["skipped"] == {"dspark": 2}
+    # make-tiny carries every kind the release holds, and the model serves each: the
+    # DSpark drafter (mtp.*) and the vision tower are read, nothing is skipped.
+    assert ckpt["skipped"] == {}
+    assert data["params_dspark"] == sum(
+        math.prod(t.shape) for t in iter_checkpoint_tensors(out) if t.name.startswith("mtp.")
+    )
+    assert data["params_dspark"] > 0
     file_bytes = (out / "model.safetensors").stat().st_size
     assert 0 < file_bytes - ckpt["bytes"] < 200_000  # the rest is the JSON header
     # make-tiny writes the release's formats: the memory plan's packed bytes (device
