@@ -52,6 +52,8 @@ def grow_model(
     vocab_size = new.get_vocab_size(with_added_tokens=True)
     config = demo_config(vocab_size, n_classes, PAD_ID)
     grown = DeepseekV41(config)
+    if getattr(model, "dspark", None) is None:  # a text model without a drafter grows none
+        grown.drop_drafter()
     grown.set_compressed_vocab(class_of)
     state = model.state_dict()
     target = grown.state_dict()

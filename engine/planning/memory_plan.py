@@ -401,6 +401,9 @@ def memory_plan(
     )
     reserve = reserve_bytes(config, max_num_batched_tokens, max_num_seqs)
     swa = max_num_seqs * swa_kv_bytes_per_request(config)
+    # A single-process model only holds the DSpark drafter for now (TP and EP ranks
+    # build none: engine/model/deepseek_v41/model.py); DP ranks are single processes.
+    drafter_held = topology.tensor_parallel_size == 1 and not topology.expert_parallel
     groups: tuple[tuple[int, list[int]], ...]
     if topology.expert_parallel:
         base, extra = divmod(wb.n_experts, devices)
@@ -413,6 +416,8 @@ def memory_plan(
         if not ids:
             continue
         held = {**wb.replicated, **{k: per * experts for k, per in wb.per_expert.items()}}
+        if not drafter_held:
+            held[WeightKind.DSPARK.value] = 0
         weights = {k.value: held[k.value] for k in WeightKind}
         total = sum(weights.values())
         left = device_memory_bytes - total - reserve - swa
