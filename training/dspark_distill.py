@@ -100,7 +100,7 @@ def attach_drafter(model: DeepseekV41, seed: int = 0) -> DSparkDrafter:
     return drafter
 
 
-def _round(model: DeepseekV41, r: Rollout, p: int) -> tuple[torch.Tensor, torch.Tensor]:
+def round_logits(model: DeepseekV41, r: Rollout, p: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(logits [B, V], confidence [B]) of the round at anchor ``p``, teacher-forced."""
     drafter = model.mtp
     assert drafter is not None
@@ -147,7 +147,7 @@ def distill(
         for j in torch.randint(len(anchors), (cfg.batch,), generator=g).tolist():
             i, p = anchors[j]
             r = rollouts[i]
-            logits, conf = _round(model, r, p)
+            logits, conf = round_logits(model, r, p)
             labels = torch.tensor(r.tokens[p + 1 : p + 1 + B])
             ce = F.cross_entropy(logits, labels)
             hit = (logits.argmax(-1) == labels).to(conf.dtype)
