@@ -7,6 +7,7 @@ kernels attend comes from a ``KVBackend`` (``kv_backend.py``): the dense one in
 
 from __future__ import annotations
 
+import logging
 from typing import cast
 
 import torch
@@ -16,6 +17,7 @@ from torch import nn
 from engine.model.base import CausalLM
 from engine.model.deepseek_v41.attention import Selections
 from engine.model.deepseek_v41.config import ModelConfig
+from engine.model.deepseek_v41.dspark.config import drafter_problem
 from engine.model.deepseek_v41.dspark.drafter import DSparkDrafter
 from engine.model.deepseek_v41.engram import engram_hash_windows
 from engine.model.deepseek_v41.layer import Block
@@ -29,6 +31,8 @@ from engine.model.deepseek_v41.vision.vit import VisionTransformer
 from engine.model.kv.kv_backend import KVBackend
 from engine.model.parallel import SINGLE, Parallel
 from engine.model.precision import upcast
+
+logger = logging.getLogger(__name__)
 
 
 class DeepseekV41(CausalLM):
@@ -78,7 +82,13 @@ class DeepseekV41(CausalLM):
             self.image_end = nn.Parameter(torch.zeros(config.hidden_size))
         # One process only for now: the stages would need their own TP / EP shares.
         single = parallel.tp_size == 1 and parallel.ep_size == 1
-        self.mtp = DSparkDrafter(config) if config.num_nextn_predict_layers and single else None
+        self.mtp = None
+        if config.num_nextn_predict_layers and single:
+            problem = drafter_problem(config)
+            if problem is None:
+                self.mtp = DSparkDrafter(config)
+            else:  # a text-only variant (e.g. a test's smaller vocabulary): no drafter
+                logger.warning("DSpark drafter not built: %s", problem)
 
     @property
     def dspark(self) -> DSparkDrafter | None:

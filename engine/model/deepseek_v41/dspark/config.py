@@ -25,6 +25,17 @@ def drafter_config(config: ModelConfig) -> ModelConfig | None:
     )
 
 
+def drafter_problem(config: ModelConfig) -> ConfigError | None:
+    """Why ``config`` cannot build its drafter, or None (also None without one)."""
+    if config.num_nextn_predict_layers == 0:
+        return None
+    try:
+        check(config)
+    except ConfigError as e:
+        return e
+    return None
+
+
 def stage_layer_ids(config: ModelConfig) -> list[int]:
     """The layer ids of the stages ``mtp.0 .. mtp.n-1``."""
     n = config.num_hidden_layers

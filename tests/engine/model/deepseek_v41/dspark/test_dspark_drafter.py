@@ -90,6 +90,9 @@ def test_config_refusals() -> None:
         drafter_config(dataclasses.replace(tiny, dspark_target_layer_ids=[8]))
     with pytest.raises(ConfigError, match="compress_ratios"):
         drafter_config(dataclasses.replace(tiny, compress_ratios=[*tiny.compress_ratios[:-1], 1]))
+    # The model of such a config is the text model alone, said in a warning.
+    bad = dataclasses.replace(tiny, vocab_size=512)
+    assert DeepseekV41(bad).dspark is None
     none = dataclasses.replace(
         tiny, num_nextn_predict_layers=0, compress_ratios=tiny.compress_ratios[:-1]
     )
