@@ -30,6 +30,7 @@ _SUMMARY = (
     "persistent_kv_bytes_per_token",
     "swa_kv_bytes_per_request",
     "params_vision",
+    "params_dspark",
 )
 
 

@@ -46,6 +46,10 @@ def build_demo(
     _, n_classes = build_compressed_vocab(tokenizer)
     config = demo_config(vocab_size, n_classes, PAD_ID)
     model = DeepseekV41(config)
+    # The text model trains and ships alone: a DSpark drafter is distilled from it
+    # afterwards, target frozen (docs/design/dspark.md). Dropped before the seeded
+    # init, which draws the drafter last anyway, so the text weights are the same.
+    model.drop_drafter()
     model.init_weights(torch.Generator().manual_seed(cfg.seed))
     model.set_compressed_vocab(build_compressed_vocab(tokenizer)[0])
     params = sum(p.numel() for p in model.parameters())

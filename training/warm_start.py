@@ -52,8 +52,11 @@ def grow_model(
     vocab_size = new.get_vocab_size(with_added_tokens=True)
     config = demo_config(vocab_size, n_classes, PAD_ID)
     grown = DeepseekV41(config)
+    # The vocabulary grows: a drafter's vocabulary-sized heads would no longer fit, and
+    # a drafter is distilled from the text model anyway (training/dspark_distill.py).
+    grown.drop_drafter()
     grown.set_compressed_vocab(class_of)
-    state = model.state_dict()
+    state = {n: t for n, t in model.state_dict().items() if not n.startswith("mtp.")}
     target = grown.state_dict()
     for name in ("embed.weight", "head.weight"):
         rows = torch.empty_like(target[name])

@@ -92,6 +92,11 @@ def load_checkpoint(
     model = _build(spec.model_class, config, dtype, device, engram_mmap, experts_packed, parallel)
     if encoder_only:
         model.drop_decoder_layers()
+    drafter = spec.weights.drafter_prefixes
+    if drafter and not any(spec.weights.is_drafter(n) for n in files):
+        # An export without the drafter loads the text model alone (a partial one is
+        # refused by the plan: its missing tensors are named).
+        model.drop_drafter()
     packed_linears: list[str] = []
     if quantization == "auto":
         with Shards(files) as shards:
@@ -99,7 +104,10 @@ def load_checkpoint(
             names = packable_weights(names, files, shards, spec.weights)
         packed_linears = pack_linears(model, names)
         check_tp_packed(model, packed_linears, parallel)
-    left_out = _left_out(config, len(model.layers), parallel)
+    # A model built without its drafter (TP / EP ranks, for now) leaves the stored one out.
+    held = model.state_dict(keep_vars=True)
+    no_drafter = drafter if drafter and not any(spec.weights.is_drafter(n) for n in held) else ()
+    left_out = _left_out(config, len(model.layers), parallel, no_drafter)
     options = LoadOptions(spec, dtype, engram_mmap, frozenset(packed_linears), parallel, left_out)
     with Shards(files) as shards, torch.no_grad():
         plan = plan_reads(model, files, shards, options)
@@ -117,13 +125,17 @@ def load_checkpoint(
     return config, model
 
 
-def _left_out(config: ModelConfig, kept_layers: int, parallel: Parallel) -> LeftOut:
-    """The tensors this rank's load does not read: other ranks' routed experts and
-    the layers an encoder-only model dropped."""
+def _left_out(
+    config: ModelConfig, kept_layers: int, parallel: Parallel, drafter: tuple[str, ...] = ()
+) -> LeftOut:
+    """The tensors this rank's load does not read: other ranks' routed experts, the
+    layers an encoder-only model dropped and a drafter (names ``drafter``) it did not build."""
     decoder = tuple(f"layers.{l}." for l in range(kept_layers, config.num_hidden_layers))
     first, stop = parallel.experts(config.n_routed_experts)
 
     def left_out(name: str) -> str | None:
+        if drafter and name.startswith(drafter):
+            return "dspark"
         expert = expert_of(name)
         if expert is not None and not first <= expert < stop:
             return "other-rank-expert"

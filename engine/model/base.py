@@ -49,6 +49,11 @@ class CausalLM(nn.Module, ABC):
     def drop_decoder_layers(self) -> None:
         """Keep the layers up to the CED boundary (a prefill worker's model)."""
 
+    def drop_drafter(self) -> None:
+        """Forget the speculative drafter (the checkpoint has none); a model without one
+        has nothing to drop."""
+        return None
+
     @abstractmethod
     def set_compressed_vocab(self, vocab_map: torch.Tensor) -> None:
         """Token id -> Engram class, from the checkpoint's tokenizer."""

@@ -47,6 +47,8 @@ class WeightRules:
     optional_tensors: tuple[re.Pattern[str], ...]  # fullmatch: absent in an export, zeros
     # A vision tower's tensors: read by a model that has one, else skipped as "vision".
     vision_prefixes: tuple[str, ...] = ()
+    # A speculative drafter's tensors: a checkpoint without any loads the model without it.
+    drafter_prefixes: tuple[str, ...] = ()
 
     def format_of(self, name: str) -> WeightFormat | None:
         """The storage format of the model tensor ``name`` (None: not in the table)."""
@@ -70,6 +72,9 @@ class WeightRules:
 
     def is_vision(self, name: str) -> bool:
         return bool(self.vision_prefixes) and name.startswith(self.vision_prefixes)
+
+    def is_drafter(self, name: str) -> bool:
+        return bool(self.drafter_prefixes) and name.startswith(self.drafter_prefixes)
 
     def optional(self, name: str) -> bool:
         return any(p.fullmatch(name) for p in self.optional_tensors)

@@ -54,6 +54,9 @@ class Accounting:
     # params_total, which counts the text model, nor in the active counts: a text
     # token never runs them, an image runs them once at admission.
     params_vision: int = 0
+    # The DSpark drafter (``mtp.*``; 0 without one), outside params_total like the
+    # tower: it runs once per speculative step, beside the text model.
+    params_dspark: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -109,11 +112,14 @@ def account(config: ModelConfig, shapes: dict[str, tuple[int, ...]] | None = Non
     tables = [0] * n_layers
     kv_write = 0
     outside: dict[str, int] = {}  # embed, norm, head
-    vision = 0
+    vision = dspark = 0
     for name, shape in shapes.items():
         numel = math.prod(shape)
         if spec.weights.is_vision(name):
             vision += numel
+            continue
+        if spec.weights.is_drafter(name):
+            dspark += numel
             continue
         match = rules.layer.fullmatch(name)
         if match is None:
@@ -163,4 +169,5 @@ def account(config: ModelConfig, shapes: dict[str, tuple[int, ...]] | None = Non
         ced_boundary=boundary,
         layers=layers,
         params_vision=vision,
+        params_dspark=dspark,
     )

@@ -71,6 +71,7 @@ class WeightKind(StrEnum):
     NORMS_MHC_SINKS_BIASES = "norms_mhc_sinks_biases"  # fp32 (the checkpoint's format)
     EMBED_HEAD = "embed_head"  # bf16
     VISION = "vision"  # the vision tower, aligner and span vectors, as stored: replicated
+    DSPARK = "dspark"  # the DSpark drafter (mtp.*), as stored: replicated
 
 
 class HostKind(StrEnum):
@@ -88,6 +89,7 @@ WEIGHT_KIND_LABELS: dict[str, str] = {
     WeightKind.NORMS_MHC_SINKS_BIASES: "norms, mHC, sinks, biases, fp32",
     WeightKind.EMBED_HEAD: "embedding and head, bf16",
     WeightKind.VISION: "vision tower and aligner, bf16/fp32",
+    WeightKind.DSPARK: "DSpark drafter, as stored (replicated)",
     HostKind.ENGRAM_FP8: "Engram tables, FP8 E4M3 (host)",
     HostKind.ENGRAM_SCALES: "Engram scales, E8M0 per 32 (host)",
 }
@@ -198,6 +200,10 @@ def weight_bytes(
         split = tp_shard_shape(name, full, tensor_parallel_size)
         shape = full if split is None else split
         numel = math.prod(shape)
+        if spec.weights.is_drafter(name):
+            # Its own expert count: one line of its stored bytes, whatever the format.
+            replicated[WeightKind.DSPARK] += _stored_bytes(fmt, name, full)
+            continue
         if fmt is WeightFormat.MXFP4:
             experts[WeightKind.EXPERTS_FP4] += numel // 2
             experts[WeightKind.EXPERTS_FP4_SCALES] += numel // QUANT_BLOCK
@@ -234,6 +240,21 @@ def weight_bytes(
         n_experts=n,
         host={k.value: v for k, v in host.items()},
     )
+
+
+def _stored_bytes(fmt: WeightFormat | None, name: str, shape: tuple[int, ...]) -> int:
+    """Bytes of one tensor as the release stores it, its E8M0 scales included."""
+    numel = math.prod(shape)
+    if fmt is WeightFormat.MXFP4:
+        return numel // 2 + numel // QUANT_BLOCK
+    if fmt is WeightFormat.FP8_BLOCK:
+        rows, cols = shape
+        return numel + math.ceil(rows / QUANT_BLOCK) * math.ceil(cols / QUANT_BLOCK)
+    if fmt is WeightFormat.FP8_ROWS:
+        return numel + numel // QUANT_BLOCK
+    if fmt is None:
+        raise PlanError(f"tensor `{name}` has no storage format in engine/loader/formats.py")
+    return numel * _FORMAT_BYTES[fmt]
 
 
 def reserve_bytes(config: ModelConfig, max_num_batched_tokens: int, max_num_seqs: int) -> int:
@@ -380,6 +401,9 @@ def memory_plan(
     )
     reserve = reserve_bytes(config, max_num_batched_tokens, max_num_seqs)
     swa = max_num_seqs * swa_kv_bytes_per_request(config)
+    # A single-process model only holds the DSpark drafter for now (TP and EP ranks
+    # build none: engine/model/deepseek_v41/model.py); DP ranks are single processes.
+    drafter_held = topology.tensor_parallel_size == 1 and not topology.expert_parallel
     groups: tuple[tuple[int, list[int]], ...]
     if topology.expert_parallel:
         base, extra = divmod(wb.n_experts, devices)
@@ -392,6 +416,8 @@ def memory_plan(
         if not ids:
             continue
         held = {**wb.replicated, **{k: per * experts for k, per in wb.per_expert.items()}}
+        if not drafter_held:
+            held[WeightKind.DSPARK.value] = 0
         weights = {k.value: held[k.value] for k in WeightKind}
         total = sum(weights.values())
         left = device_memory_bytes - total - reserve - swa

@@ -86,9 +86,16 @@ def test_make_tiny_then_inspect_the_directory(
     )
     ckpt = data["checkpoint"]
     assert set(ckpt["by_dtype"]) == {"BF16", "F32", "F8_E4M3", "F8_E8M0", "I8"}
-    # make-tiny carries one tensor of each kind the release holds and the model
-    # skips by rule: DSpark (mtp.*); its vision tower is served (read, not skipped).
-    assert ckpt["skipped"] == {"dspark": 2}
+    # make-tiny carries every kind the release holds, and the model serves each: the
+    # DSpark drafter (mtp.*) and the vision tower are read, nothing is skipped.
+    assert ckpt["skipped"] == {}
+    # Logical sizes from the stored ones: scales aside, an I8 holds two MXFP4 values.
+    assert data["params_dspark"] == sum(
+        math.prod(t.shape) * (2 if t.dtype == "I8" else 1)
+        for t in iter_checkpoint_tensors(out)
+        if t.name.startswith("mtp.") and not t.name.endswith(".scale")
+    )
+    assert data["params_dspark"] > 0
     file_bytes = (out / "model.safetensors").stat().st_size
     assert 0 < file_bytes - ckpt["bytes"] < 200_000  # the rest is the JSON header
     # make-tiny writes the release's formats: the memory plan's packed bytes (device
@@ -164,9 +171,9 @@ def test_inspect_plan_on_one_device_says_it_does_not_fit(
 ) -> None:
     assert main(["inspect", "official", "--plan", "--device-memory-gib", "141"]) == 0
     out = capsys.readouterr().out
-    assert "does not fit: weights need 279.0 GiB per device, 141.0 GiB available" in out
+    assert "does not fit: weights need 286.5 GiB per device, 141.0 GiB available" in out
     data = _inspect_json(capsys, "official", "--plan", "--devices", "1")
-    assert data["fits"] is False and data["refusal"].startswith("weights need 279.0 GiB")
+    assert data["fits"] is False and data["refusal"].startswith("weights need 286.5 GiB")
 
 
 def test_inspect_plan_rejects_bad_device_counts(capsys: pytest.CaptureFixture[str]) -> None:
@@ -188,7 +195,7 @@ def test_inspect_plan_topology_flags_reach_the_plan(capsys: pytest.CaptureFixtur
     assert main(["inspect", "official", "--plan", "--data-parallel-size", "8"]) == 0
     out = capsys.readouterr().out
     assert "devices 0-7 (each: 384 routed experts per layer)" in out
-    assert "does not fit: weights need 279.0 GiB per device" in out
+    assert "does not fit: weights need 286.5 GiB per device" in out
     assert "without --enable-expert-parallel every rank holds all 384 routed experts" in out
     argv = ["inspect", "official", "--plan", "--devices", "8", "--tensor-parallel-size", "2"]
     assert main([*argv, "--data-parallel-size", "2"]) == 2

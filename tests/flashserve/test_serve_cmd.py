@@ -199,7 +199,7 @@ def test_serve_refuses_weights_that_do_not_fit_before_loading(
     assert main(argv) == 2
     captured = capsys.readouterr()
     assert captured.err.strip() == (
-        "flashserve serve: cuda: weights need 279.0 GiB per device, 141.0 GiB available: "
+        "flashserve serve: cuda: weights need 286.5 GiB per device, 141.0 GiB available: "
         "use more devices"
     )
     assert "memory plan: 1 device(s) x 141.0 GiB" in captured.out

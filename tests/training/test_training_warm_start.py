@@ -60,6 +60,9 @@ def test_other_weights_are_copied(grown) -> None:
     for name, value in model.state_dict().items():
         if name in ("embed.weight", "head.weight") or name.endswith("engram.embed.weight"):
             continue
+        if name.startswith("mtp."):  # a drafter does not grow with the vocabulary
+            assert name not in after, name
+            continue
         assert torch.equal(after[name], value), name
 
 

@@ -7,6 +7,7 @@ kernels attend comes from a ``KVBackend`` (``kv_backend.py``): the dense one in
 
 from __future__ import annotations
 
+import logging
 from typing import cast
 
 import torch
@@ -16,6 +17,8 @@ from torch import nn
 from engine.model.base import CausalLM
 from engine.model.deepseek_v41.attention import Selections
 from engine.model.deepseek_v41.config import ModelConfig
+from engine.model.deepseek_v41.dspark.config import drafter_problem
+from engine.model.deepseek_v41.dspark.drafter import DSparkDrafter
 from engine.model.deepseek_v41.engram import engram_hash_windows
 from engine.model.deepseek_v41.layer import Block
 from engine.model.deepseek_v41.mhc import hc_collapse, hc_initial_pre
@@ -29,6 +32,8 @@ from engine.model.kv.kv_backend import KVBackend
 from engine.model.parallel import SINGLE, Parallel
 from engine.model.precision import upcast
 
+logger = logging.getLogger(__name__)
+
 
 class DeepseekV41(CausalLM):
     """Embedding, ``num_hidden_layers`` blocks, final norm and head; with a
@@ -36,13 +41,16 @@ class DeepseekV41(CausalLM):
     span vectors ``image_start``, ``image_newline``, ``image_end``, at the root as
     in the release).
 
-    DSpark (``mtp.*``) weights are not part of the model; the loader skips them
-    with a notice.
+    With ``num_nextn_predict_layers`` > 0 the DSpark drafter too (``mtp``: its
+    stages ``mtp.<i>.*``, registered last so a seed gives the same text and vision
+    weights with or without it); ``dspark`` is it, or None (no drafter in the config,
+    or ``drop_drafter`` ran because the checkpoint carries none).
     """
 
     engram_vocab_map: torch.Tensor
     vision: VisionTransformer | None
     aligner: Aligner | None
+    mtp: DSparkDrafter | None
 
     def __init__(self, config: ModelConfig, parallel: Parallel = SINGLE) -> None:
         super().__init__()
@@ -72,6 +80,25 @@ class DeepseekV41(CausalLM):
             self.image_start = nn.Parameter(torch.zeros(config.hidden_size))
             self.image_newline = nn.Parameter(torch.zeros(config.hidden_size))
             self.image_end = nn.Parameter(torch.zeros(config.hidden_size))
+        # One process only for now: the stages would need their own TP / EP shares.
+        single = parallel.tp_size == 1 and parallel.ep_size == 1
+        self.mtp = None
+        if config.num_nextn_predict_layers and single:
+            problem = drafter_problem(config)
+            if problem is None:
+                self.mtp = DSparkDrafter(config)
+            else:  # a text-only variant (e.g. a test's smaller vocabulary): no drafter
+                logger.warning("DSpark drafter not built: %s", problem)
+
+    @property
+    def dspark(self) -> DSparkDrafter | None:
+        """The DSpark drafter (its stages ``mtp.*``), or None."""
+        return self.mtp
+
+    def drop_drafter(self) -> None:
+        """Forget the drafter: the checkpoint has no ``mtp.*`` tensors (an export
+        without one, the demo model before its drafter is trained)."""
+        self.mtp = None
 
     @property
     def blocks(self) -> list[Block]:

@@ -316,19 +316,15 @@ def text_only_dir(tmp_path_factory: pytest.TempPathFactory, original: DeepseekV4
     return save_checkpoint(text, ModelConfig.tiny(), out, shard_bytes=20_000_000)
 
 
-def test_skips_dspark_and_vision_and_accepts_plain_exports(
+def test_skips_vision_and_accepts_plain_exports(
     text_only_dir: Path, tmp_path: Path, loaded: DeepseekV41, caplog: pytest.LogCaptureFixture
 ) -> None:
     # A dequantised re-export (no .scale) is accepted for a quantised tensor;
-    # DSpark tensors, and vision tensors for a model without a tower, are skipped
-    # with one notice per kind.
+    # vision tensors for a model without a tower are skipped with one notice.
     name = "layers.0.attn.wq_a.weight"
     value = loaded.state_dict()[name].clone() * 3
     extra = {
         name: value,
-        "mtp.0.attn.wq_a.weight": torch.zeros(4, 4),
-        "mtp.0.attn.wq_a.scale": torch.ones(1, 1),
-        "mtp.0.norm.weight": torch.ones(4),
         "vision.blocks.0.attn.qkv.weight": torch.zeros(2, 2),
     }
     drop = ("layers.0.attn.wq_a.scale",)
@@ -336,9 +332,7 @@ def test_skips_dspark_and_vision_and_accepts_plain_exports(
     with caplog.at_level(logging.INFO, logger="engine.loader.checkpoint"):
         _, model = load_checkpoint(ok, quantization="none")
     notices = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
-    assert len(notices) == 2
-    assert any("3 dspark" in m for m in notices)
-    assert any("1 vision" in m for m in notices)
+    assert len(notices) == 1 and "1 vision" in notices[0]
     assert model.vision is None
     assert torch.equal(model.state_dict()[name], value)
     assert torch.equal(model.state_dict()["head.weight"], loaded.state_dict()["head.weight"])
@@ -362,7 +356,7 @@ def test_make_tiny_holds_every_kind_and_the_loader_names_what_it_skips(
     tiny_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The release's index holds DSpark, vision and ``gate.bias_vl`` tensors besides the
-    text model's: make-tiny writes each; the tower loads, DSpark is skipped by name."""
+    text model's: make-tiny writes each; the tower and the drafter load, nothing is skipped."""
     names = set(weight_map(tiny_dir))
     assert any(n.startswith("mtp.") for n in names)
     assert {"image_start", "image_newline", "image_end", "aligner.w1.weight"} <= names
@@ -371,8 +365,8 @@ def test_make_tiny_holds_every_kind_and_the_loader_names_what_it_skips(
     with caplog.at_level(logging.INFO, logger="engine.loader.checkpoint"):
         _, model = load_checkpoint(tiny_dir)
     notices = sorted(r.getMessage() for r in caplog.records if "skipped" in r.getMessage())
-    assert len(notices) == 1 and "2 dspark tensors" in notices[0]
-    assert model.vision is not None
+    assert notices == []
+    assert model.vision is not None and model.dspark is not None
     stored = {t.name: t for t in iter_checkpoint_tensors(tiny_dir)}
     assert stored["vision.blocks.0.norm1.weight"].dtype == "F32"
     assert stored["vision.blocks.0.attn.wqkv.weight"].dtype == "BF16"

@@ -24,7 +24,8 @@ from engine.model.deepseek_v41.routed_experts import RoutedExperts
 from engine.model.weights import WeightFormat, scale_name
 from kernels.weight_formats import dequantize_mxfp4_weight
 
-EXPERT = re.compile(r"layers\.\d+\.ffn\.experts\.\d+\.w[123]\.(weight|scale)")
+# The text layers' and the DSpark stages' routed experts (both MXFP4, both packed).
+EXPERT = re.compile(r"(layers|mtp)\.\d+\.ffn\.experts\.\d+\.w[123]\.(weight|scale)")
 IDS = torch.tensor([0, 5, 17, 99, 1234, 2, 64000, 7, 7, 128803, 31, 8])
 
 
@@ -60,7 +61,8 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 def test_packed_load_keeps_the_stored_expert_bytes(packed, stored) -> None:
     config = ModelConfig.tiny()
-    assert len(stored) == 2 * 3 * config.n_routed_experts * config.num_hidden_layers
+    drafter = config.dspark_n_routed_experts * config.num_nextn_predict_layers
+    assert len(stored) == 2 * 3 * (config.n_routed_experts * config.num_hidden_layers + drafter)
     assert all(e.packed for e in _experts(packed))
     state = packed.state_dict()
     for name, tensor in stored.items():
@@ -79,8 +81,10 @@ def test_resident_expert_bytes_equal_the_stored_expert_bytes(tiny_dir: Path, pac
     assert not any(True for e in _experts(packed) for _ in e.parameters())
     # Four bits per weight plus one scale byte per 32: 0.53 B per parameter.
     config = ModelConfig.tiny()
-    params = 3 * config.hidden_size * config.moe_intermediate_size * config.n_routed_experts
-    assert resident == params * config.num_hidden_layers * (1 / 2 + 1 / 32)
+    experts = config.n_routed_experts * config.num_hidden_layers
+    experts += config.dspark_n_routed_experts * config.num_nextn_predict_layers  # the drafter's
+    params = 3 * config.hidden_size * config.moe_intermediate_size * experts
+    assert resident == params * (1 / 2 + 1 / 32)
 
 
 def test_packed_load_dequantises_no_expert(tiny_dir: Path, monkeypatch) -> None:

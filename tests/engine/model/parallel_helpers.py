@@ -60,12 +60,14 @@ def forward_logits(model, ids: tuple[int, ...]) -> torch.Tensor:
 
 
 def routed_expert_bytes(model) -> tuple[int, int]:
-    """(resident bytes of the routed experts, the bytes all E would take)."""
+    """(resident bytes of the text layers' routed experts, the bytes all E would take).
+
+    The DSpark drafter's are left out: a TP / EP rank builds no drafter (yet)."""
     from engine.model.deepseek_v41.routed_experts import RoutedExperts
 
     held = whole = 0
-    for module in model.modules():
-        if isinstance(module, RoutedExperts):
+    for name, module in model.named_modules():
+        if isinstance(module, RoutedExperts) and not name.startswith("mtp."):
             n = sum(t.nbytes for t in [*module.parameters(), *module.buffers()])
             held += n
             whole += n // module.n_experts * module.total

@@ -72,6 +72,7 @@ def _hand_bytes(
         "bf16_projections": bf16_proj,
         "norms_mhc_sinks_biases": fp32_small,
         "embed_head": 2 * c.vocab_size * H * 2,  # bf16
+        "dspark": 0,
     }
     if "vision_config" in c.extra:  # the release's tower: 32 blocks of 1024, bf16; norms fp32
         v, vi, blocks = 1024, 2816, 32
@@ -80,6 +81,19 @@ def _hand_bytes(
         bf16 = 588 * v + v + blocks * block + aligner
         fp32 = blocks * 2 * v + v + 3 * H  # norm1, norm2, final norm; the span vectors
         device["vision"] = 2 * bf16 + 4 * fp32
+    # The DSpark stages, whole, as stored: a single-process model holds them (no EP).
+    if c.num_nextn_predict_layers and experts_on_device == c.n_routed_experts:
+        En, n, r = c.dspark_n_routed_experts, c.num_nextn_predict_layers, c.dspark_markov_rank
+        stage_fp8 = [(nh * d, q), (g * o, nh * d // g), (H, g * o), (I, H), (H, I), (I, H)]
+        stage_fp8 += [(q, H), (d, H)]  # wq_b, wo_a, wo_b, shared expert; wq_a, wkv
+        fp8_all = stage_fp8 * n + [(H, len(c.dspark_target_layer_ids) * H)]  # + main_proj
+        fp8_bytes = sum(rr * k + math.ceil(rr / 32) * math.ceil(k / 32) for rr, k in fp8_all)
+        experts = n * En * 3 * I * H
+        small = n * (nh + d + q + 2 * H + 2 * En + 2 * mhc) + 2 * H  # + main_norm, norm
+        heads = c.vocab_size * r * (2 + 4) + 4 * (H + r)  # Markov codes bf16, bias fp32; conf.
+        device["dspark"] = (
+            fp8_bytes + experts // 2 + experts // 32 + n * En * H * 2 + 4 * small + heads
+        )
     table_params = sum(c.engram_num_embeddings) * c.engram_head_dim
     host = {"engram_fp8": table_params, "engram_scales": table_params // 32}
     return device, host
@@ -225,7 +239,7 @@ def test_no_expert_parallelism_on_8_x_141_is_refused_naming_the_shortfall() -> N
         f"without --enable-expert-parallel every rank holds all 384 routed experts "
         f"({experts / GIB:.1f} GiB); add --enable-expert-parallel to split them over the 8 ranks"
     )
-    assert plan.refusal().startswith("weights need 279.0 GiB per device")  # type: ignore[union-attr]
+    assert plan.refusal().startswith("weights need 286.5 GiB per device")  # type: ignore[union-attr]
 
 
 def test_a_tp_group_is_bounded_by_its_smallest_pool() -> None:

@@ -1,0 +1,1 @@
+"""DSpark: the release's block drafter (``mtp.*``), see docs/design/dspark.md."""

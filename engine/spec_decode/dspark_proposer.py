@@ -1,0 +1,109 @@
+"""The DSpark proposer: the release's drafter (``model.dspark``) behind the Proposer protocol.
+
+Per sequence it keeps each stage's ring of context KV: the last
+``sliding_window`` committed rows, projected from the target layers' block
+inputs that the engine hands to ``propose`` (``hidden``). A round drafts the
+block after the newest token (the anchor) and returns its first ``k`` greedy
+tokens, cut where the confidence head says the rest are unlikely to be
+accepted (``min_confidence``; None: never cut). Drafts are point masses, so the
+engine's verification stays exact (engine/spec_decode/proposer.py).
+
+State is dense per sequence (CPU); see docs/design/dspark.md for the GPU plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.core.sequence import Sequence
+from engine.model.base import CausalLM
+from engine.model.deepseek_v41.dspark.drafter import BlockDraft, DSparkDrafter
+from engine.spec_decode.config import SpeculativeConfig
+from engine.spec_decode.proposer import Draft
+
+
+@dataclass(slots=True)
+class ContextRing:
+    """One sequence's context: ``positions`` [S] and per stage ``kv[layer]`` [S, head_dim],
+    S <= the window, positions increasing."""
+
+    positions: torch.Tensor
+    kv: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+class DSparkProposer:
+    """``DSparkProposer(model, spec)``: refuses a model without a drafter, and a K above
+    the block size (a round drafts ``dspark_block_size`` tokens)."""
+
+    def __init__(
+        self, model: CausalLM, spec: SpeculativeConfig, min_confidence: float | None = None
+    ) -> None:
+        drafter = getattr(model, "dspark", None)
+        if not isinstance(drafter, DSparkDrafter):
+            raise ValueError(
+                "speculative method 'dspark' needs a checkpoint with a DSpark drafter (mtp.*)"
+            )
+        if not 1 <= spec.num_speculative_tokens <= drafter.block_size:
+            raise ValueError(
+                f"num_speculative_tokens must be in 1..{drafter.block_size} "
+                f"(dspark_block_size) for method 'dspark', got {spec.num_speculative_tokens}"
+            )
+        self.model = model
+        self.drafter = drafter
+        self.spec = spec
+        self.min_confidence = min_confidence
+        self.hidden_layers: tuple[int, ...] = drafter.target_layer_ids
+        self._rings: dict[int, ContextRing] = {}
+        self.last: BlockDraft | None = None  # the newest round (tests, metrics)
+
+    @torch.no_grad()
+    def observe(self, seq: Sequence, hidden: dict[int, torch.Tensor]) -> None:
+        """Add the committed rows of ``hidden`` (ending at row ``num_tokens - 2``) to the rings."""
+        rows = hidden[self.hidden_layers[0]].shape[0]
+        if rows == 0:
+            return
+        end = seq.num_tokens - 1
+        device = self.model.embed.weight.device
+        positions = torch.arange(end - rows, end, device=device)
+        features = {
+            l: hidden[l].to(device=device, dtype=self.model.embed.weight.dtype)
+            for l in self.hidden_layers
+        }
+        new = self.drafter.context_kv(self.drafter.context(features), positions)
+        ring = self._rings.get(seq.seq_id)
+        if ring is None:
+            ring = ContextRing(positions[:0], {l: kv[:0] for l, kv in new.items()})
+        # Rows at or past the first new position were rolled back or are replayed.
+        keep = ring.positions < positions[0]
+        window = self.drafter.window
+        ring.positions = torch.cat([ring.positions[keep], positions])[-window:]
+        for l, kv in new.items():
+            ring.kv[l] = torch.cat([ring.kv[l][keep], kv])[-window:]
+        self._rings[seq.seq_id] = ring
+
+    def propose(
+        self, seq: Sequence, k: int, hidden: dict[int, torch.Tensor] | None = None
+    ) -> Draft:
+        if hidden is not None:
+            self.observe(seq, hidden)
+        ring = self._rings.get(seq.seq_id)
+        k = min(k, self.drafter.block_size)
+        if ring is None or k < 1 or ring.positions.numel() == 0:
+            return Draft()  # no context yet (nothing the target ran for this sequence)
+        anchor, position = seq.token_ids[-1], seq.num_tokens - 1
+        # Only rows before the anchor are context (a sequence cut back keeps the rest out).
+        before = ring.positions < position
+        rings = {l: kv[before] for l, kv in ring.kv.items()}
+        draft = self.drafter.draft(anchor, position, rings, self.model.embed, self.model.head)
+        self.last = draft
+        tokens = draft.tokens[:k].tolist()
+        if self.min_confidence is not None:
+            low = (draft.confidence[:k] < self.min_confidence).nonzero()
+            if low.numel():
+                tokens = tokens[: int(low[0])]
+        return Draft(tokens)
+
+    def release(self, seq: Sequence) -> None:
+        self._rings.pop(seq.seq_id, None)
