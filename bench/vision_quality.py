@@ -11,6 +11,12 @@ FP4 global KV, FP8 SWA).
 
     .venv/bin/python bench/vision_quality.py                  # 100 pictures, both plans
     .venv/bin/python bench/vision_quality.py --images 20 --plans exact
+
+``--row-sensitivity`` measures instead how much the text model listens to an image
+span at all: the answer loss of chats about pictures whose span rows are zeros, or
+random rows at growing scales, through the frozen text model of ``--model`` (the
+tower untrained). A text model that ignores the span scores them all alike, and
+then no tower can steer it while it stays frozen.
 """
 
 from __future__ import annotations
@@ -40,8 +46,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--images", type=int, default=100)
     parser.add_argument("--plans", nargs="+", default=["exact", "serving"])
     parser.add_argument("--out", default=str(RESULTS / "vision_quality.json"))
+    parser.add_argument("--row-sensitivity", action="store_true")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    if args.row_sensitivity:
+        return row_sensitivity(Path(args.model), args.images)
 
     config, model = load_checkpoint(args.model, quantization="none")
     vision = vision_config(config)
@@ -75,6 +84,32 @@ def main(argv: list[str] | None = None) -> int:
         "examples": examples[:20],
     }
     out.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+    return 0
+
+
+@torch.no_grad()
+def row_sensitivity(model_dir: Path, images: int) -> int:
+    """Mean answer loss (nats a reply token) with zero and random span rows."""
+    from engine.model.deepseek_v41.vision.image_processor import process_image
+    from training.vision_chat import image_chat
+    from training.vision_data import png_bytes, qa_turns, render_scene
+    from training.vision_stage import DEMO_VISION, chat_loss, seeing_model
+
+    _, model, tokenizer, _ = seeing_model(model_dir, DEMO_VISION, 0)
+    assert model.image_token_id is not None
+    scales = (0.0, 1.0, 10.0, 100.0)
+    totals = dict.fromkeys(scales, 0.0)
+    for seed in range(HELDOUT_SEED_BASE, HELDOUT_SEED_BASE + images):
+        image, scene = render_scene(seed)
+        processed = process_image(png_bytes(image), DEMO_VISION)
+        turns = qa_turns(seed, scene, 1)
+        chat = image_chat(tokenizer, model.image_token_id, processed.tokens, turns)
+        for scale in scales:
+            noise = torch.Generator().manual_seed(seed)
+            rows = torch.randn(processed.tokens, model.config.hidden_size, generator=noise)
+            totals[scale] += float(chat_loss(model, chat.ids, chat.targets, rows * scale))
+    for scale in scales:
+        print(f"span rows x {scale:5.1f}: answer loss {totals[scale] / images:.3f} nats/token")
     return 0
 
 

@@ -8,7 +8,8 @@ wall-clock budgets, so a faster machine trains more steps in them.
 
 ``--stage vision`` runs only the vision stage (training/vision_stage.py) on top of
 the checkpoint in ``--out``: a small tower, aligner and span vectors trained on
-rendered shapes with the text model frozen (fixed step counts, not a budget).
+rendered shapes with the text model frozen (a fixed probe, then chat training under
+``--vision-minutes``, as the text fine-tunings have budgets).
 A full run (``--stage all``) ends with it.
 """
 
@@ -50,7 +51,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="all: text stages then the vision stage; vision: only the vision stage, on --out",
     )
     parser.add_argument(
-        "--vision-steps", type=int, default=None, help="steps of the vision stage's chat training"
+        "--vision-minutes",
+        type=float,
+        default=18.0,
+        help="wall-clock budget of the vision stage's chat training (its steps stop there)",
+    )
+    parser.add_argument(
+        "--vision-text-lr",
+        type=float,
+        default=None,
+        help="train the text model too in the vision stage, at this peak rate (default: frozen)",
+    )
+    parser.add_argument(
+        "--vision-probe-steps", type=int, default=150, help="steps of the tower's probe"
     )
 
 
@@ -95,8 +108,11 @@ def _vision_stage(out: Path, args: argparse.Namespace) -> int:
 
     from training.vision_stage import VisionTrainConfig, build_vision_stage
 
-    cfg = VisionTrainConfig(seed=args.seed)
-    if args.vision_steps is not None:
-        cfg = dataclasses.replace(cfg, steps=args.vision_steps)
+    cfg = dataclasses.replace(
+        VisionTrainConfig(seed=args.seed),
+        max_seconds=args.vision_minutes * 60,
+        text_lr=args.vision_text_lr,
+        probe_steps=args.vision_probe_steps,
+    )
     build_vision_stage(out, out, cfg, say=lambda m: print(m, flush=True))
     return 0

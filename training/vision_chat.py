@@ -57,10 +57,10 @@ def image_chat(
         opening = THINK_START + THINK_END if thinking and last else THINK_END
         pieces.append((USER, False))
         if i == 0:
-            text = [(None, False), (PART_SEPARATOR + question, False)]
+            first = [(None, False), (PART_SEPARATOR + question, False)]
             if image_last:
-                text = [(question + PART_SEPARATOR, False), (None, False)]
-            pieces += text
+                first = [(question + PART_SEPARATOR, False), (None, False)]
+            pieces += first
         else:
             pieces.append((question, False))
         pieces += [(ASSISTANT + opening, False), (answer + EOS, True)]

@@ -8,8 +8,8 @@ fill's channels jittered, on a white, gray or black background whose shade is
 jittered too. Pictures are 544 x 544: the release's ``min_pixels`` (295,936)
 exactly, so the image processor neither scales them up nor down.
 
-The questions and answers are short chat turns (``qa_turns``), worded so the
-answer names the colour or the shape once.
+The questions and answers are short chat turns (``qa_turns``): the answer is the
+colour or the shape, named once ("What colour is the circle?" -> "Red.").
 """
 
 from __future__ import annotations
@@ -103,24 +103,26 @@ def png_bytes(image: Image.Image) -> bytes:
 
 
 def colour_question(scene: Scene) -> tuple[str, str]:
-    return f"What colour is the {scene.shape}?", f"The {scene.shape} is {scene.colour}."
+    return f"What colour is the {scene.shape}?", f"{scene.colour.capitalize()}."
 
 
 def shape_question(scene: Scene) -> tuple[str, str]:
-    return "What shape is this?", f"It is a {scene.shape}."
+    return "What shape is this?", f"A {scene.shape}."
 
 
 def _question_pool(scene: Scene) -> list[tuple[str, str]]:
+    # Short answers: the text model is frozen, so the tower has to steer it into each
+    # answer's words; the fewer there are, the fewer steps that takes.
     s, c, b = scene.shape, scene.colour, scene.background
     return [
         colour_question(scene),
-        (f"What color is the {s}?", f"The {s} is {c}."),
-        ("What colour is it?", f"It is {c}."),
+        (f"What color is the {s}?", f"{c.capitalize()}."),
+        ("What colour is it?", f"{c.capitalize()}."),
         shape_question(scene),
-        ("What shape do you see?", f"I see a {s}."),
+        ("What shape do you see?", f"A {s}."),
         ("What is in the picture?", f"A {c} {s}."),
-        ("Describe the image.", f"A {c} {s} on a {b} background."),
-        ("What colour is the background?", f"The background is {b}."),
+        ("Describe the image.", f"A {c} {s} on {b}."),
+        ("What colour is the background?", f"{b.capitalize()}."),
     ]
 
 

@@ -11,6 +11,7 @@ are measured.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -37,6 +38,7 @@ EXACT_KV = KVPrecision(global_kv="exact", swa="exact")
 # Held-out pictures: seeds the training stream never reaches.
 HELDOUT_SEED_BASE = 1_000_000
 MAX_ANSWER_TOKENS = 10
+EXAMPLES_IN_FULL = 8
 
 Plan = Literal["exact", "serving"]
 
@@ -52,8 +54,10 @@ def greedy_answer(
     rows: torch.Tensor,
     plan: Plan = "exact",
     max_new_tokens: int = MAX_ANSWER_TOKENS,
+    until: Callable[[list[int]], bool] | None = None,
 ) -> list[int]:
-    """Greedy ids after ``prompt`` (its image positions fed ``rows``), up to EOS."""
+    """Greedy ids after ``prompt`` (its image positions fed ``rows``), up to EOS, or
+    until ``until(ids so far)`` holds (the evaluation stops once the answer is named)."""
     config = model.config
     if plan == "exact":
         replay, precision = ReplayPlan.exact(config), EXACT_KV
@@ -71,6 +75,8 @@ def greedy_answer(
             break
         out.append(nxt)
         tokens.append(nxt)
+        if until is not None and until(out):
+            break
     return out
 
 
@@ -78,6 +84,20 @@ def first_word_of(text: str, words: tuple[str, ...] | list[str]) -> str | None:
     """The first of ``words`` the text names (whole words, any case), or None."""
     found = re.findall(r"[a-z]+", text.lower())
     return next((w for w in found if w in words), None)
+
+
+def names_one_of(
+    tokenizer: Tokenizer, words: tuple[str, ...] | list[str]
+) -> Callable[[list[int]], bool]:
+    """True once the decoded ids name one of ``words`` as a finished word (a non-letter
+    after it), so that what the reply names first cannot change with more tokens."""
+
+    def done(ids: list[int]) -> bool:
+        text = tokenizer.decode(ids).lower()
+        finished = re.findall(r"[a-z]+(?=[^a-z])", text)
+        return any(w in words for w in finished)
+
+    return done
 
 
 @dataclass(slots=True)
@@ -126,7 +146,10 @@ def score_pictures(
         ):
             question, _ = ask(scene)
             prompt = prompt_ids(tokenizer, image_token_id, processed.tokens, question)
-            reply = tokenizer.decode(greedy_answer(model, prompt, rows, plan))
+            # Whole replies for the first few examples shown; the rest stop once named.
+            shown = examples is not None and len(examples) < EXAMPLES_IN_FULL
+            until = None if shown else names_one_of(tokenizer, words)
+            reply = tokenizer.decode(greedy_answer(model, prompt, rows, plan, until=until))
             right = first_word_of(reply, words) == truth
             if words is SHAPES:
                 score.shape_correct += right

@@ -65,11 +65,15 @@ TRAINING_FILE = "training.json"
 
 @dataclass(frozen=True, slots=True)
 class VisionTrainConfig:
-    probe_steps: int = 300
+    probe_steps: int = 150
     probe_lr: float = 3e-3
-    steps: int = 600
-    lr: float = 1.5e-3
-    warmup_steps: int = 40
+    steps: int = 600  # at most; a wall-clock budget (``max_seconds``) may stop it first
+    max_seconds: float | None = 18 * 60.0
+    lr: float = 3e-3
+    # None: the text model stays frozen. A rate: it trains too (at that peak rate, on
+    # the picture chats alone: its text numbers must then be measured again).
+    text_lr: float | None = None
+    warmup_steps: int = 20
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.01
     grad_clip: float = 1.0
@@ -107,16 +111,31 @@ def seeing_model(
     return config, model, tokenizer, data
 
 
-def _lr(step: int, steps: int, cfg: VisionTrainConfig, peak: float) -> float:
+def _lr(
+    step: int, steps: int, cfg: VisionTrainConfig, peak: float, progress: float | None = None
+) -> float:
+    """Linear warmup, then cosine to ``min_lr_ratio``; over the budget's elapsed share
+    ``progress`` when training has a wall-clock budget (as the text stages' trainer)."""
     if step < cfg.warmup_steps:
         return peak * (step + 1) / cfg.warmup_steps
     t = (step - cfg.warmup_steps) / max(steps - cfg.warmup_steps, 1)
+    if progress is not None:
+        t = min(progress, 1.0)
     return peak * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
 
 
-def _step(opt: torch.optim.Optimizer, params: list[nn.Parameter], lr: float, clip: float) -> None:
+def _step(
+    opt: torch.optim.Optimizer,
+    params: list[nn.Parameter],
+    lr: float,
+    clip: float,
+    peak: float | None = None,
+) -> None:
+    """One update at ``lr`` of a schedule peaking at ``peak``; a group with its own
+    ``peak`` follows the same schedule scaled to it."""
     for group in opt.param_groups:
-        group["lr"] = lr
+        own = group.get("peak")
+        group["lr"] = lr if own is None or peak is None else lr * own / peak
     torch.nn.utils.clip_grad_norm_(params, clip)
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -174,15 +193,29 @@ def train_align(
     cfg: VisionTrainConfig,
     say: Callable[[str], None],
 ) -> list[dict[str, Any]]:
-    """Stage 2: chats about pictures, through the frozen language model."""
+    """Stage 2: chats about pictures, through the language model (frozen unless
+    ``cfg.text_lr``)."""
     assert model.vision is not None and model.image_token_id is not None
     vision = model.vision.vision
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    tower = [p for n, p in model.named_parameters() if n.startswith(VISION_PREFIXES)]
+    text = [p for n, p in model.named_parameters() if not n.startswith(VISION_PREFIXES)]
+    groups: list[dict[str, Any]] = [{"params": tower, "peak": cfg.lr}]
+    params = list(tower)
+    if cfg.text_lr is not None:
+        for p in text:
+            p.requires_grad_(True)
+        groups.append({"params": text, "peak": cfg.text_lr})
+        params += text
+    opt = torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay)
     rng = random.Random(cfg.seed)
     log: list[dict[str, Any]] = []
     running = 0.0
+    began = time.monotonic()
     for step in range(cfg.steps):
+        progress = None
+        if cfg.max_seconds is not None:
+            progress = (time.monotonic() - began) / cfg.max_seconds
+        last = step == cfg.steps - 1 or (progress is not None and progress >= 1.0)
         model.train()
         seed = cfg.probe_steps + step  # pictures the probe did not see
         image, scene = render_scene(seed)
@@ -199,10 +232,10 @@ def train_align(
         loss = chat_loss(model, chat.ids, chat.targets, rows)
         loss.backward()
         loss = loss.detach()
-        _step(opt, params, _lr(step, cfg.steps, cfg, cfg.lr), cfg.grad_clip)
-        running = 0.98 * running + 0.02 * loss.item() if step else loss.item()
+        _step(opt, params, _lr(step, cfg.steps, cfg, cfg.lr, progress), cfg.grad_clip, cfg.lr)
+        running = 0.95 * running + 0.05 * loss.item() if step else loss.item()
         entry: dict[str, Any] = {"step": step, "loss": round(running, 4)}
-        if (step + 1) % cfg.eval_every == 0 or step == cfg.steps - 1:
+        if (step + 1) % cfg.eval_every == 0 or last:
             seeds = range(HELDOUT_SEED_BASE, HELDOUT_SEED_BASE + cfg.eval_images)
             score = score_pictures(model, tokenizer, vision, model.image_token_id, seeds)
             entry["heldout"] = score.to_dict()
@@ -211,6 +244,8 @@ def train_align(
             log.append(entry)
             if "heldout" not in entry:
                 say(f"align {step}: loss {running:.3f}")
+        if last:
+            break
     return log
 
 
