@@ -5,6 +5,12 @@ The committed demo is made in three runs: the 4,096-id base (training/demo.py,
 the second stage that teaches a reply's end (training/json_warm_start.py, whose
 ``SHIPPED_STAGE_2`` is that stage's recipe). The two fine-tunings have
 wall-clock budgets, so a faster machine trains more steps in them.
+
+``--stage vision`` runs only the vision stage (training/vision_stage.py) on top of
+the checkpoint in ``--out``: a small tower, aligner and span vectors trained on
+rendered shapes with the text model frozen (a fixed probe, then chat training under
+``--vision-minutes``, as the text fine-tunings have budgets).
+A full run (``--stage all``) ends with it.
 """
 
 from __future__ import annotations
@@ -38,6 +44,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--threads", type=int, default=1, help="torch intra-op threads (default 1: shared CPUs)"
     )
+    parser.add_argument(
+        "--stage",
+        choices=("all", "vision"),
+        default="all",
+        help="all: text stages then the vision stage; vision: only the vision stage, on --out",
+    )
+    parser.add_argument(
+        "--vision-minutes",
+        type=float,
+        default=18.0,
+        help="wall-clock budget of the vision stage's chat training (its steps stop there)",
+    )
+    parser.add_argument(
+        "--vision-text-lr",
+        type=float,
+        default=None,
+        help="train the text model too in the vision stage, at this peak rate (default: frozen)",
+    )
+    parser.add_argument(
+        "--vision-probe-steps", type=int, default=150, help="steps of the tower's probe"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -56,6 +83,8 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     out = Path(args.out) if args.out else demo_checkpoint_dir()
+    if args.stage == "vision":
+        return _vision_stage(out, args)
     if args.base_only:
         build_demo(out, Path(args.cache_dir), cfg, say=lambda m: print(m, flush=True))
         return 0
@@ -70,4 +99,20 @@ def run(args: argparse.Namespace) -> int:
         warm = ["--minutes", str(args.warm_start_minutes)]
         json_warm_start.main(["--base", str(base), "--out", str(stage_1), *cache, *warm])
         second = ["--minutes", str(args.stage_2_minutes), *json_warm_start.SHIPPED_STAGE_2]
-        return json_warm_start.main(["--resume", str(stage_1), "--out", str(out), *cache, *second])
+        code = json_warm_start.main(["--resume", str(stage_1), "--out", str(out), *cache, *second])
+    return code or _vision_stage(out, args)
+
+
+def _vision_stage(out: Path, args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from training.vision_stage import VisionTrainConfig, build_vision_stage
+
+    cfg = dataclasses.replace(
+        VisionTrainConfig(seed=args.seed),
+        max_seconds=args.vision_minutes * 60,
+        text_lr=args.vision_text_lr,
+        probe_steps=args.vision_probe_steps,
+    )
+    build_vision_stage(out, out, cfg, say=lambda m: print(m, flush=True))
+    return 0

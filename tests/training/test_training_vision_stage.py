@@ -1,0 +1,56 @@
+"""The vision stage's checkpoint: the text tensors of the demo byte for byte, the tower
+under the release's names, a config and tokenizer the loader serves images from.
+
+The tower here is untrained (seeded): what is tested is the writing, not the seeing.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine.loader.checkpoint import load_checkpoint
+from engine.loader.tokenizer import load_tokenizer
+from engine.model.deepseek_v41.vision.config import IMAGE_TOKEN, vision_config
+from training.demo_config import demo_checkpoint_dir
+from training.vision_stage import (
+    DEMO_VISION,
+    VISION_PREFIXES,
+    seeing_model,
+    write_seeing_checkpoint,
+)
+
+
+def _stored(path: Path) -> dict[str, torch.Tensor]:
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        return {n: f.get_tensor(n) for n in f.keys()}  # noqa: SIM118
+
+
+def test_written_checkpoint_keeps_the_text_and_serves_the_tower(tmp_path: Path) -> None:
+    demo = demo_checkpoint_dir()
+    config, model, _, data = seeing_model(demo, DEMO_VISION, seed=0)
+    with torch.no_grad():
+        model.image_start.fill_(0.25)  # a value the loader must bring back
+    write_seeing_checkpoint(demo, tmp_path, config, model, data, {"note": "test"})
+
+    before, after = _stored(demo), _stored(tmp_path)
+    text = {n for n in before if not n.startswith(VISION_PREFIXES)}
+    assert text <= set(after)
+    for name in text:  # byte for byte, quantised weights and scales alike
+        assert after[name].dtype == before[name].dtype, name
+        assert torch.equal(after[name].view(torch.uint8), before[name].view(torch.uint8)), name
+    tower = set(after) - text
+    assert "vision.blocks.1.attn.wqkv.weight" in tower and "aligner.w2.bias" in tower
+    assert after["vision.blocks.0.attn.wqkv.weight"].dtype == torch.bfloat16
+    assert after["image_start"].dtype == torch.float32
+
+    loaded_config, loaded = load_checkpoint(tmp_path, quantization="none")
+    assert vision_config(loaded_config) == DEMO_VISION
+    tokenizer = load_tokenizer(tmp_path)
+    assert loaded.image_token_id == tokenizer.token_to_id(IMAGE_TOKEN) == model.image_token_id
+    assert torch.equal(loaded.image_start, torch.full_like(loaded.image_start, 0.25))
+    record = json.loads((tmp_path / "training.json").read_text(encoding="utf-8"))
+    assert record["vision_stage"] == {"note": "test"} and "stage_1" in record

@@ -1,0 +1,326 @@
+"""The demo's vision stage: a small tower taught to see rendered shapes, text model frozen.
+
+Starting from the committed text checkpoint, the stage adds a ViT, the aligner
+and the three span vectors (``DEMO_VISION``: only the tower is small, the image
+processor keeps the release's settings) and the image placeholder token
+(training/image_token.py), and trains only those:
+
+1. **probe**: the ViT alone, its mean-pooled features classified into shape,
+   colour and background by three linear heads (dropped after). A step costs a
+   fifth of a language-model step, and the tower arrives at stage 2 already
+   separating the classes, so stage 2 only has to teach the aligner to say them.
+2. **align**: chats about one picture each (training/vision_chat.py, several
+   turns per picture to spread one image's cost over more answers), next-token
+   loss on the replies, through the frozen 8-layer model under the exact forward.
+
+Every picture comes from a seed (training/vision_data.py); training takes seeds
+0, 1, 2, ... and the held-out evaluation seeds from ``HELDOUT_SEED_BASE`` on.
+The text tensors are copied into the new checkpoint byte for byte, so the text
+model's numbers are unchanged by construction.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tokenizers import Tokenizer
+from torch import nn
+
+from engine.loader.checkpoint import load_checkpoint
+from engine.loader.checkpoint_writer import encode_tensor
+from engine.loader.files import SINGLE_FILE
+from engine.model.deepseek_v41.config import ModelConfig
+from engine.model.deepseek_v41.engram import build_compressed_vocab
+from engine.model.deepseek_v41.model import DeepseekV41
+from engine.model.deepseek_v41.vision.config import VisionConfig, with_vision
+from engine.model.deepseek_v41.vision.image_processor import process_image
+from engine.model.kv.dense_backend import DenseKV
+from engine.model.registry import spec_of
+from engine.model.semantics.replay import ReplayPlan
+from training.image_token import with_image_token
+from training.vision_chat import image_chat
+from training.vision_data import BACKGROUNDS, COLOURS, SHAPES, png_bytes, qa_turns, render_scene
+from training.vision_eval import EXACT_KV, HELDOUT_SEED_BASE, score_pictures
+
+# CPU-sized: 2 blocks of width 64 over the 39 x 39 patches of a 544 x 544 picture
+# (attention over 1,521 patches is most of the tower's time).
+DEMO_VISION = VisionConfig(
+    num_hidden_layers=2, hidden_size=64, num_attention_heads=2, intermediate_size=128
+)
+VISION_PREFIXES = ("vision.", "aligner.", "image_")
+TRAINING_FILE = "training.json"
+
+
+@dataclass(frozen=True, slots=True)
+class VisionTrainConfig:
+    probe_steps: int = 150
+    probe_lr: float = 3e-3
+    steps: int = 600  # at most; a wall-clock budget (``max_seconds``) may stop it first
+    max_seconds: float | None = 18 * 60.0
+    lr: float = 3e-3
+    # None: the text model stays frozen. A rate: it trains too (at that peak rate, on
+    # the picture chats alone: its text numbers must then be measured again).
+    text_lr: float | None = None
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    turns: int = 3  # question-answer turns per picture
+    thinking_fraction: float = 0.1  # chats in the thinking request's layout
+    image_last_fraction: float = 0.1  # pictures after the first question
+    eval_every: int = 600  # held-out checks cost a few minutes each on a shared CPU
+    eval_images: int = 12
+    seed: int = 0
+
+
+def seeing_model(
+    demo_dir: Path, vision: VisionConfig, seed: int
+) -> tuple[ModelConfig, DeepseekV41, Tokenizer, dict[str, Any]]:
+    """The demo text model with an untrained tower and the placeholder in its tokenizer.
+
+    Returns the config, the model (text frozen, tower trainable), the tokenizer and
+    its ``tokenizer.json`` dict.
+    """
+    text_config, text = load_checkpoint(demo_dir, quantization="none")
+    data, image_id = with_image_token(
+        json.loads((demo_dir / "tokenizer.json").read_text(encoding="utf-8"))
+    )
+    tokenizer = Tokenizer.from_str(json.dumps(data))
+    config = with_vision(text_config, vision, token_id=image_id)
+    model = DeepseekV41(config)
+    model.init_weights(torch.Generator().manual_seed(seed))
+    # A checkpoint that already sees (a rerun) starts from a fresh tower too.
+    state = {n: t for n, t in text.state_dict().items() if not n.startswith(VISION_PREFIXES)}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and all(n.startswith(VISION_PREFIXES) for n in missing), missing
+    model.set_compressed_vocab(build_compressed_vocab(tokenizer)[0])
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.startswith(VISION_PREFIXES))
+    return config, model, tokenizer, data
+
+
+def _lr(
+    step: int, steps: int, cfg: VisionTrainConfig, peak: float, progress: float | None = None
+) -> float:
+    """Linear warmup, then cosine to ``min_lr_ratio``; over the budget's elapsed share
+    ``progress`` when training has a wall-clock budget (as the text stages' trainer)."""
+    if step < cfg.warmup_steps:
+        return peak * (step + 1) / cfg.warmup_steps
+    t = (step - cfg.warmup_steps) / max(steps - cfg.warmup_steps, 1)
+    if progress is not None:
+        t = min(progress, 1.0)
+    return peak * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def _step(
+    opt: torch.optim.Optimizer,
+    params: list[nn.Parameter],
+    lr: float,
+    clip: float,
+    peak: float | None = None,
+) -> None:
+    """One update at ``lr`` of a schedule peaking at ``peak``; a group with its own
+    ``peak`` follows the same schedule scaled to it."""
+    for group in opt.param_groups:
+        own = group.get("peak")
+        group["lr"] = lr if own is None or peak is None else lr * own / peak
+    torch.nn.utils.clip_grad_norm_(params, clip)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def train_probe(
+    model: DeepseekV41, cfg: VisionTrainConfig, say: Callable[[str], None]
+) -> list[dict[str, float]]:
+    """Stage 1: the ViT's pooled features -> shape, colour, background (linear heads)."""
+    assert model.vision is not None
+    vision = model.vision.vision
+    width = vision.hidden_size
+    heads = nn.ModuleList(
+        nn.Linear(width, n) for n in (len(SHAPES), len(COLOURS), len(BACKGROUNDS))
+    )
+    labels = (list(SHAPES), list(COLOURS), list(BACKGROUNDS))
+    params = [*model.vision.parameters(), *heads.parameters()]
+    opt = torch.optim.AdamW(params, lr=cfg.probe_lr, weight_decay=cfg.weight_decay)
+    log: list[dict[str, float]] = []
+    running = 0.0
+    for step in range(cfg.probe_steps):
+        image, scene = render_scene(step)
+        processed = process_image(png_bytes(image), vision)
+        plan = processed.plan
+        pooled = model.vision(processed.patches, plan.n_vit_h, plan.n_vit_w).mean(0)
+        truth = (scene.shape, scene.colour, scene.background)
+        loss = sum(
+            F.cross_entropy(head(pooled)[None], torch.tensor([names.index(t)]))
+            for head, names, t in zip(heads, labels, truth, strict=True)
+        )
+        assert isinstance(loss, torch.Tensor)
+        loss.backward()
+        loss = loss.detach()
+        _step(opt, params, _lr(step, cfg.probe_steps, cfg, cfg.probe_lr), cfg.grad_clip)
+        running = 0.98 * running + 0.02 * loss.item() if step else loss.item()
+        if step % 50 == 0 or step == cfg.probe_steps - 1:
+            log.append({"step": step, "loss": round(running, 4)})
+            say(f"probe {step}: loss {running:.3f}")
+    return log
+
+
+def chat_loss(
+    model: DeepseekV41, ids: torch.Tensor, targets: torch.Tensor, rows: torch.Tensor
+) -> torch.Tensor:
+    """Mean cross-entropy of the reply ids, each predicted from the row before it."""
+    kv = DenseKV(model.config, ids, ReplayPlan.exact(model.config), None, EXACT_KV, torch.float32)
+    logits = model(ids, kv, image_embeds=rows)
+    keep = targets[1:]
+    return F.cross_entropy(logits[:-1][keep], ids[1:][keep])
+
+
+def train_align(
+    model: DeepseekV41,
+    tokenizer: Tokenizer,
+    cfg: VisionTrainConfig,
+    say: Callable[[str], None],
+) -> list[dict[str, Any]]:
+    """Stage 2: chats about pictures, through the language model (frozen unless
+    ``cfg.text_lr``)."""
+    assert model.vision is not None and model.image_token_id is not None
+    vision = model.vision.vision
+    tower = [p for n, p in model.named_parameters() if n.startswith(VISION_PREFIXES)]
+    text = [p for n, p in model.named_parameters() if not n.startswith(VISION_PREFIXES)]
+    groups: list[dict[str, Any]] = [{"params": tower, "peak": cfg.lr}]
+    params = list(tower)
+    if cfg.text_lr is not None:
+        for p in text:
+            p.requires_grad_(True)
+        groups.append({"params": text, "peak": cfg.text_lr})
+        params += text
+    opt = torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    rng = random.Random(cfg.seed)
+    log: list[dict[str, Any]] = []
+    running = 0.0
+    began = time.monotonic()
+    for step in range(cfg.steps):
+        progress = None
+        if cfg.max_seconds is not None:
+            progress = (time.monotonic() - began) / cfg.max_seconds
+        last = step == cfg.steps - 1 or (progress is not None and progress >= 1.0)
+        model.train()
+        seed = cfg.probe_steps + step  # pictures the probe did not see
+        image, scene = render_scene(seed)
+        processed = process_image(png_bytes(image), vision)
+        chat = image_chat(
+            tokenizer,
+            model.image_token_id,
+            processed.tokens,
+            qa_turns(seed, scene, cfg.turns),
+            thinking=rng.random() < cfg.thinking_fraction,
+            image_last=rng.random() < cfg.image_last_fraction,
+        )
+        rows = model.encode_image(processed.patches, processed.plan)
+        loss = chat_loss(model, chat.ids, chat.targets, rows)
+        loss.backward()
+        loss = loss.detach()
+        _step(opt, params, _lr(step, cfg.steps, cfg, cfg.lr, progress), cfg.grad_clip, cfg.lr)
+        running = 0.95 * running + 0.05 * loss.item() if step else loss.item()
+        entry: dict[str, Any] = {"step": step, "loss": round(running, 4)}
+        if (step + 1) % cfg.eval_every == 0 or last:
+            seeds = range(HELDOUT_SEED_BASE, HELDOUT_SEED_BASE + cfg.eval_images)
+            score = score_pictures(model, tokenizer, vision, model.image_token_id, seeds)
+            entry["heldout"] = score.to_dict()
+            say(f"align {step}: loss {running:.3f} held-out {score.to_dict()}")
+        if step % 50 == 0 or "heldout" in entry:
+            log.append(entry)
+            if "heldout" not in entry:
+                say(f"align {step}: loss {running:.3f}")
+        if last:
+            break
+    return log
+
+
+def tower_tensors(model: DeepseekV41, config: ModelConfig) -> dict[str, torch.Tensor]:
+    """The tower's tensors as stored (BF16, FP32 norms and span vectors: the name rules)."""
+    rules = spec_of(config).weights
+    out: dict[str, torch.Tensor] = {}
+    for name, value in model.state_dict().items():
+        if name.startswith(VISION_PREFIXES):
+            out |= encode_tensor(name, value, rules)
+    return out
+
+
+def write_seeing_checkpoint(
+    demo_dir: Path,
+    out_dir: Path,
+    config: ModelConfig,
+    model: DeepseekV41,
+    tokenizer_data: dict[str, Any],
+    record: dict[str, Any],
+) -> None:
+    """``out_dir``: the text tensors of ``demo_dir`` byte for byte, plus the tower;
+    the config with ``vision_config``; the tokenizer with the placeholder;
+    ``training.json`` with ``record`` under ``vision_stage``."""
+    with safe_open(str(demo_dir / SINGLE_FILE), "pt") as f:
+        tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
+        metadata = f.metadata()
+    tensors = {n: t for n, t in tensors.items() if not n.startswith(VISION_PREFIXES)}
+    tensors |= tower_tensors(model, config)
+    training = json.loads((demo_dir / TRAINING_FILE).read_text(encoding="utf-8"))
+    if demo_dir.resolve() != out_dir.resolve():
+        out_dir.mkdir(parents=True, exist_ok=True)
+        shutil.copy(demo_dir / "tokenizer_config.json", out_dir / "tokenizer_config.json")
+    save_file(tensors, str(out_dir / SINGLE_FILE), metadata=metadata)
+    spec = spec_of(config)
+    with open(out_dir / "config.json", "w", encoding="utf-8") as f:
+        json.dump(
+            config.to_dict() | {"model_type": spec.model_type}, f, indent=2, ensure_ascii=False
+        )
+        f.write("\n")
+    Tokenizer.from_str(json.dumps(tokenizer_data)).save(str(out_dir / "tokenizer.json"))
+    training["vision_stage"] = record
+    with open(out_dir / TRAINING_FILE, "w", encoding="utf-8") as f:
+        json.dump(training, f, indent=1)
+        f.write("\n")
+
+
+def build_vision_stage(
+    demo_dir: Path,
+    out_dir: Path,
+    cfg: VisionTrainConfig,
+    *,
+    vision: VisionConfig = DEMO_VISION,
+    say: Callable[[str], None] = print,
+) -> Path:
+    """Train the tower on top of ``demo_dir``'s text model and write ``out_dir``."""
+    started = time.monotonic()
+    torch.manual_seed(cfg.seed)
+    config, model, tokenizer, data = seeing_model(demo_dir, vision, cfg.seed)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    say(f"tower: {trainable / 1e6:.2f} M trainable parameters, image id {model.image_token_id}")
+    probe_log = train_probe(model, cfg, say)
+    align_log = train_align(model, tokenizer, cfg, say)
+    record = {
+        "command": "flashserve train-demo --stage vision",
+        "vision_config": vision.to_dict(),
+        "image_token_id": model.image_token_id,
+        "trainable_parameters": trainable,
+        "config": asdict(cfg),
+        "wall_seconds": round(time.monotonic() - started, 1),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "probe_log": probe_log,
+        "align_log": align_log,
+    }
+    write_seeing_checkpoint(demo_dir, out_dir, config, model, data, record)
+    say(f"wrote {out_dir} in {record['wall_seconds']:.0f} s")
+    return out_dir
