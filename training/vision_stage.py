@@ -101,6 +101,8 @@ def seeing_model(
     config = with_vision(text_config, vision, token_id=image_id)
     model = DeepseekV41(config)
     model.init_weights(torch.Generator().manual_seed(seed))
+    if text.dspark is None:  # the text checkpoint carries no drafter: neither does this one
+        model.drop_drafter()
     # A checkpoint that already sees (a rerun) starts from a fresh tower too.
     state = {n: t for n, t in text.state_dict().items() if not n.startswith(VISION_PREFIXES)}
     missing, unexpected = model.load_state_dict(state, strict=False)
