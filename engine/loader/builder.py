@@ -111,6 +111,12 @@ def engine_for_model(
             sizes=config.cuda_graph_sizes,
         )
         runner = PagedModelRunner(model, pages, config.max_num_seqs, graphs)
+    spec = config.speculative()
+    proposer = None
+    if spec is not None:
+        from engine.spec_decode.build import build_proposer
+
+        proposer = build_proposer(spec, model)
     return _warmed(
         LLMEngine(
             config,
@@ -120,6 +126,7 @@ def engine_for_model(
             tokenizer=tokenizer,
             eos_token_id=eos_token_id,
             encoder_only=model.encoder_only,
+            proposer=proposer,
         )
     )
 
