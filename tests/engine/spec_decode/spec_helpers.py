@@ -162,6 +162,7 @@ def make_engine(
     proposer=None,
     num_pages: int = 64,
     tokenizer=None,
+    grammars=None,
     **config,
 ):
     """(engine, recorder, device pages) over ``runner``; speculative when ``proposer``."""
@@ -176,9 +177,29 @@ def make_engine(
         inner = PagedModelRunner(model, pages, cfg.max_num_seqs)
     recorder = VerifyRecorder(inner)
     engine = LLMEngine(
-        cfg, recorder, kv, model_config=model.config, proposer=proposer, tokenizer=tokenizer
+        cfg,
+        recorder,
+        kv,
+        model_config=model.config,
+        proposer=proposer,
+        tokenizer=tokenizer,
+        grammars=grammars or (NoGrammars() if tokenizer is not None else None),
     )
     return engine, recorder, pages
+
+
+class NoGrammars:
+    """A grammar backend for tests with a tokenizer but no structured output (the real
+    one would build its vocabulary view)."""
+
+    def submit(self, spec):
+        raise AssertionError("no grammars in this test")
+
+    def warm(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def cached_pages(engine: LLMEngine, pages) -> dict[bytes, bytes]:
