@@ -31,7 +31,7 @@ from engine.config import EngineConfig
 from engine.core.detokenizer import IncrementalDetokenizer, check_stop_token
 from engine.core.scheduler import Scheduler
 from engine.core.sequence import Sequence, SequenceStatus
-from engine.core.speculation import Speculator
+from engine.core.speculation import make_speculator
 from engine.core.step import ModelRunner, StepBatch
 from engine.model.deepseek_v41.config import ModelConfig
 from engine.sample.sampler import Sampler, SeqHistory, make_generator
@@ -144,20 +144,11 @@ class LLMEngine:
         self.vocab_size = vocab_size
         self.max_model_len = config.max_model_len or max_position_embeddings
         self.replay_tokens = config.replay_window(model_config.sliding_window)
-        spec = config.speculative()
-        if spec is not None and proposer is None:
-            raise ValueError("speculative_config is set but no proposer was built for it")
-        if spec is not None and spec.num_speculative_tokens >= model_config.sliding_window:
-            # A verify chunk's rows each need a ring slot of their own (verify_undo.py).
-            raise ValueError(
-                f"num_speculative_tokens must be below the sliding window "
-                f"({model_config.sliding_window})"
-            )
 
         def release(seq: Sequence) -> None:
             runner.release(seq)
-            if proposer is not None:
-                proposer.release(seq)
+            if self.speculator is not None:
+                self.speculator.release(seq)
 
         self.scheduler = Scheduler(config, kv, model_config, self.replay_tokens, release, clock)
         self.sampler = Sampler(eos_token_id)
@@ -178,12 +169,16 @@ class LLMEngine:
         self.grammars = grammars
         self._awaiting: dict[str, GrammarJob] = {}
         self.counters = EngineCounters()
-        self.speculator: Speculator | None = None
-        if spec is not None and proposer is not None:
-            self.counters.spec_accepted_per_pos = [0] * spec.num_speculative_tokens
-            self.speculator = Speculator(
-                spec, proposer, self.scheduler, self.max_model_len, self.counters
-            )
+        # Speculative decoding (engine/core/speculation.py); None: off.
+        self.speculator = make_speculator(
+            config.speculative(),
+            proposer,
+            runner,
+            self.scheduler,
+            model_config,
+            self.max_model_len,
+            self.counters,
+        )
         self._clock = clock
         self._requests: dict[str, _RequestState] = {}
         self._seq_ids = itertools.count()
@@ -396,6 +391,8 @@ class LLMEngine:
             outputs.append(self._finish_prefill(seq, published))
         sampled = batch.sampled()
         failures = self._sample_and_append(sampled, logits, batch.drafts) if sampled else {}
+        if self.speculator is not None:
+            self.speculator.keep_hidden(batch)
         touched: dict[str, _RequestState] = {}
         for seq in sampled:
             if seq.request_id in failures:

@@ -19,12 +19,53 @@ import torch
 
 from engine.core.scheduler import Scheduler
 from engine.core.sequence import Sequence
-from engine.core.step import StepBatch
+from engine.core.step import ModelRunner, StepBatch
+from engine.model.deepseek_v41.config import ModelConfig
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.proposer import Proposer
 
 if TYPE_CHECKING:
     from engine.core.llm_engine import EngineCounters
+
+
+# A runner's layer inputs of its last step: seq_id -> layer -> (first position, rows).
+Hidden = dict[int, dict[int, tuple[int, torch.Tensor]]]
+
+
+def make_speculator(
+    spec: SpeculativeConfig | None,
+    proposer: Proposer | None,
+    runner: ModelRunner,
+    scheduler: Scheduler,
+    model_config: ModelConfig,
+    max_model_len: int,
+    counters: EngineCounters,
+) -> Speculator | None:
+    """The engine's speculator for ``spec`` (None: speculation off), or why it cannot run."""
+    if spec is None:
+        return None
+    if proposer is None:
+        raise ValueError("speculative_config is set but no proposer was built for it")
+    if spec.num_speculative_tokens >= model_config.sliding_window:
+        # A verify chunk's rows each need a ring slot of their own (verify_undo.py).
+        raise ValueError(
+            f"num_speculative_tokens must be below the sliding window "
+            f"({model_config.sliding_window})"
+        )
+    take_hidden: Callable[[], Hidden] | None = None
+    if proposer.hidden_layers:
+        capture = getattr(runner, "capture_hidden", None)
+        take_hidden = getattr(runner, "take_hidden", None)
+        if capture is None or take_hidden is None:
+            raise ValueError(
+                f"the {spec.method} proposer reads the model's hidden states, which only "
+                "the paged runner gives"
+            )
+        capture(tuple(proposer.hidden_layers))
+    counters.spec_accepted_per_pos = [0] * spec.num_speculative_tokens
+    return Speculator(
+        spec, proposer, scheduler, max_model_len, counters, take_hidden, model_config.sliding_window
+    )
 
 
 class Speculator:
@@ -37,14 +78,20 @@ class Speculator:
         scheduler: Scheduler,
         max_model_len: int,
         counters: EngineCounters,
+        take_hidden: Callable[[], Hidden] | None = None,
+        max_hidden_rows: int = 128,
     ) -> None:
         self.spec = spec
         self.proposer = proposer
         self.scheduler = scheduler
         self.max_model_len = max_model_len
         self.counters = counters
-        # seq_id -> the layer inputs the proposer reads, of the rows the last step ran.
+        # seq_id -> the layer inputs the proposer reads, of the committed rows since its
+        # last proposal; the newest ``max_hidden_rows`` only (a long pause would
+        # otherwise hoard them; a proposer already gets only a window after a prefill).
         self.hidden: dict[int, dict[int, torch.Tensor]] = {}
+        self.take_hidden = take_hidden
+        self.max_hidden_rows = max_hidden_rows
 
     def paused(self) -> bool:
         """A full batch decodes plainly."""
@@ -80,6 +127,27 @@ class Speculator:
             seq.token_ids.extend(tokens)
             batch.drafts[seq.seq_id] = list(tokens)
             budget -= len(tokens)
+
+    def keep_hidden(self, batch: StepBatch) -> None:
+        """Keep, for the proposer's next call, the layer inputs of the rows ``batch``
+        committed (positions below ``num_computed``), after what the sequence's
+        earlier steps left since its last proposal."""
+        if self.take_hidden is None:
+            return
+        captured = self.take_hidden()
+        for seq in batch.decodes + [c.seq for c in batch.prefills]:
+            layers = captured.get(seq.seq_id)
+            if not layers or seq.is_finished:
+                continue
+            kept = self.hidden.setdefault(seq.seq_id, {})
+            for layer, (first, rows) in layers.items():
+                rows = rows[: max(0, seq.num_computed - first)]
+                rows = torch.cat([kept[layer], rows]) if layer in kept else rows
+                kept[layer] = rows[-self.max_hidden_rows :]
+
+    def release(self, seq: Sequence) -> None:
+        self.hidden.pop(seq.seq_id, None)
+        self.proposer.release(seq)
 
     def count(self, drafted: int, accepted: int) -> None:
         """One verified draft of ``drafted`` tokens whose first ``accepted`` were taken."""

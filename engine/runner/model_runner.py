@@ -31,6 +31,7 @@ from engine.core.sequence import Sequence
 from engine.core.step import StepBatch
 from engine.model.base import CausalLM
 from engine.runner.cuda_graphs import DecodeGraphs
+from engine.runner.hidden_capture import HiddenCapture
 from engine.runner.paged_backend import PagedKV, Segment
 from engine.runner.verify_undo import VerifyUndo
 from engine.sample.prompt_scores import score_rows
@@ -72,6 +73,20 @@ class PagedModelRunner:
         # seq_id -> the state its last verify chunk overwrote, until it runs again.
         self._undo: dict[int, VerifyUndo] = {}
         self._prompt_scores: dict[int, list[TokenLogprob]] = {}
+        self._hidden: HiddenCapture | None = None
+
+    def capture_hidden(self, layers: tuple[int, ...]) -> None:
+        """Keep the inputs of ``layers`` for a drafter (``take_hidden``); steps then run
+        eagerly (a captured graph replays no hook)."""
+        self._hidden = HiddenCapture(self.model, layers)
+
+    def take_hidden(self) -> dict[int, dict[int, tuple[int, torch.Tensor]]]:
+        """seq_id -> layer -> (first position, its input rows) of the last step."""
+        return self._hidden.take() if self._hidden is not None else {}
+
+    def close(self) -> None:
+        if self._hidden is not None:
+            self._hidden.close()
 
     def release(self, seq: Sequence) -> None:
         self._undo.pop(seq.seq_id, None)
@@ -116,6 +131,7 @@ class PagedModelRunner:
             graphs is not None
             and len(segments) == len(batch.decodes)
             and not batch.drafts  # verify chunks run eagerly
+            and self._hidden is None
             and graphs.fits(len(segments))
         ):
             logits = graphs.forward(kv)  # a decode-only step in a captured bucket

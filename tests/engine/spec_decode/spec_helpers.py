@@ -107,8 +107,9 @@ class VerifyRecorder:
     def release(self, seq: Sequence) -> None:
         self.inner.release(seq)
 
-    def take_prompt_logprobs(self):
-        return self.inner.take_prompt_logprobs()
+    def __getattr__(self, name: str):
+        # The inner runner's optional parts (prompt scores, hidden states, close).
+        return getattr(self.inner, name)
 
     def committed(self, key: tuple[str, int], final_tokens: int) -> list[tuple[Row, int]]:
         """Each step's row record with the tokens it committed (the next step's start,

@@ -28,6 +28,7 @@ from spec_helpers import (
 
 from engine.api.request import Request
 from engine.api.sampling_params import SamplingParams
+from engine.model.deepseek_v41.reference import forward_exact
 
 EXACT = 1e-9  # float64: the same state gives the same logits to rounding
 
@@ -287,3 +288,52 @@ def test_soak_leaves_no_page_and_no_state(engine_model):
     assert stats.device_pages_free + stats.device_pages_cached == 10
     assert not rec.inner._undo and not rec.inner._has_state
     assert engine.scheduler.num_preemptions > 0 and engine.counters.spec_drafts > 0
+
+
+def test_a_proposer_reading_hidden_states_gets_the_committed_rows(engine_model64):
+    """A proposer with ``hidden_layers`` gets each layer's input streams at the rows
+    committed since its last call, ending at ``num_tokens - 2``, equal to the exact
+    forward's (full depth, so every row runs every layer)."""
+    layers = (5, 7)
+    calls: list[tuple[int, dict[int, torch.Tensor]]] = []
+
+    class Reader(ScriptedProposer):
+        hidden_layers = layers
+
+        def propose(self, seq, k, hidden=None):
+            assert hidden is not None
+            calls.append((seq.num_tokens, hidden))
+            return super().propose(seq, k)
+
+    tokens = prompt(20, 31)
+    plain, _, _ = make_engine(engine_model64, "paged", enable_ced=False)
+    plain.add_request(Request("h", tokens, greedy(9)))
+    stream = tokens + token_stream(run_to_completion(plain)["h"])
+    engine, _, _ = make_engine(
+        engine_model64, "paged", Reader({("h", 0): stream}, {"h": "mixed"}), enable_ced=False
+    )
+    engine.add_request(Request("h", tokens, greedy(9)))
+    assert token_stream(run_to_completion(engine)["h"]) == stream[len(tokens) :]
+    engine.close()  # the capture's hooks come off the shared model
+
+    inputs: dict[int, torch.Tensor] = {}
+    hooks = [
+        engine_model64.block(l).register_forward_pre_hook(
+            lambda m, args, l=l: inputs.__setitem__(l, args[0].detach())
+        )
+        for l in layers
+    ]
+    with torch.no_grad():
+        forward_exact(engine_model64, torch.tensor(stream))
+    for h in hooks:
+        h.remove()
+    assert len(calls) > 2
+    last = 0
+    for num_tokens, hidden in calls:
+        assert set(hidden) == set(layers)
+        for layer, rows in hidden.items():
+            first = num_tokens - 1 - rows.shape[0]
+            assert rows.shape[0] == min(num_tokens - 1 - last, W) and rows.shape[0] > 0
+            want = inputs[layer][first : num_tokens - 1]
+            assert (rows - want).abs().max().item() < 1e-9
+        last = num_tokens - 1
