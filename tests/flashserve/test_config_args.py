@@ -55,6 +55,8 @@ OPTIONS = " ".join(
         "--worker-timeout --worker-threads",
         # Added since: the chat page at / (server/playground/).
         "--no-playground",
+        # Speculative decoding (docs/design/engine.md).
+        "--speculative-config",
     )
 ).split()
 
@@ -90,6 +92,7 @@ ENGINE_DEFAULTS = {
     "grammar_cache_bytes": 256 << 20,
     "grammar_workers": 2,
     "max_grammar_bytes": 64 << 20,
+    "speculative_config": None,
 }
 
 SERVER_DEFAULTS = {
@@ -237,6 +240,8 @@ def test_engine_flags() -> None:
     }
     with pytest.raises(SystemExit):
         _args("--dtype", "int8")
+    spec = '{"method": "ngram", "num_speculative_tokens": 3}'
+    assert _engine("--speculative-config", spec)["speculative_config"] == spec
 
 
 def test_parallel_flags() -> None:
