@@ -54,7 +54,7 @@ class ScriptedProposer:
             return Draft([wrong(t) for t in seq.token_ids[-k:]])
         truth = self.streams[seq.request_id, seq.index][seq.num_tokens : seq.num_tokens + k]
         mode = self.modes.get(seq.request_id, "mixed")
-        right = {"oracle": len(truth), "wrong": 0}.get(mode, seq.num_tokens % (k + 1))
+        right = {"oracle": len(truth), "wrong": 0}.get(mode, self.calls % (k + 1))
         return Draft(truth[:right] + [wrong(t) for t in truth[right:]])
 
     def release(self, seq: Sequence) -> None:

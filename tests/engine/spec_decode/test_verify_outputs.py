@@ -79,66 +79,61 @@ class LadderBackend:
         pass
 
 
-def run(model, tokenizer, params: SamplingParams, proposer=None):
+def run(model, tokenizer, requests: dict[str, SamplingParams], proposer=None):
+    """Every request on ``PROMPT``, to completion; (engine, outputs by id, grammars)."""
     backend = LadderBackend(TINY.vocab_size)
-    engine, rec, _ = make_engine(model, "paged", proposer, tokenizer=tokenizer, grammars=backend)
-    engine.add_request(Request("r", PROMPT, params))
-    return engine, rec, run_to_completion(engine)["r"], backend
-
-
-def run_pair(model, tokenizer, params: SamplingParams, stream: list[int], mode="oracle"):
-    """The plain run of ``params``, and the speculative one drafting from ``stream`` (the
-    plain output without the stop): its drafts run past where ``params`` stops."""
-    proposer = ScriptedProposer({("r", 0): PROMPT + stream}, {"r": mode})
-    return run(model, tokenizer, params), run(model, tokenizer, params, proposer)
+    engine, _, _ = make_engine(model, "paged", proposer, tokenizer=tokenizer, grammars=backend)
+    for rid, params in requests.items():
+        engine.add_request(Request(rid, PROMPT, params))
+    return engine, run_to_completion(engine), backend
 
 
 def text(outputs) -> str:
     return "".join(c.text for o in outputs for c in o.outputs)
 
 
-def assert_same(plain, spec) -> None:
-    (_, _, p_out, _), (engine, _, s_out, _) = plain, spec
-    assert token_stream(s_out) == token_stream(p_out)
-    assert text(s_out) == text(p_out)
-    assert s_out[-1].outputs[-1].finish_reason == p_out[-1].outputs[-1].finish_reason
-    assert s_out[-1].outputs[-1].stop_reason == p_out[-1].outputs[-1].stop_reason
-    assert s_out[-1].usage == p_out[-1].usage
-    assert engine.counters.spec_accepted_tokens > 0
-    assert engine.kv.stats().device_pages_in_use == 0
-
-
-def test_stop_string_and_stop_token_cut_inside_accepted_drafts(engine_model64, tokenizer):
-    stream = token_stream(run(engine_model64, tokenizer, greedy(10))[2])
-    # A stop string first seen in token 5's text or later, and token 6 as a stop token.
+def test_stops_and_grammars_cut_inside_accepted_drafts(engine_model64, tokenizer):
+    """A stop string first seen in token 5's text or later, token 6 as a stop token,
+    and a grammar complete after 9 tokens, each ending the plain stream early. The
+    speculative run drafts the stream past each stop ("oracle": the drafts are all
+    right, so a stop lands inside the accepted drafts; under the grammar, "mixed":
+    wrong drafts break the ladder, so a mask from a stale parse state or a rejected
+    draft fed to the matcher would fail the request) and must stop at the same token
+    with the same text, reason and usage."""
+    stream = token_stream(run(engine_model64, tokenizer, {"free": greedy(12)})[1]["free"])
     full, head = tokenizer.decode(stream), tokenizer.decode(stream[:5])
     stop = next(
         full[i : i + 2] for i in range(len(head), len(full) - 1) if full.find(full[i : i + 2]) == i
     )
     assert stream.index(stream[6]) == 6
-    for params in (
-        greedy(10, stop=[stop], include_stop_str_in_output=True),
-        SamplingParams(temperature=0.0, max_tokens=10, stop_token_ids=[stream[6]]),
-    ):
-        plain, spec = run_pair(engine_model64, tokenizer, params, stream)
-        assert plain[2][-1].outputs[-1].finish_reason == "stop"
-        assert 5 <= len(token_stream(plain[2])) < 10
-        assert_same(plain, spec)
-
-
-def test_grammar_advances_per_accepted_token_only(engine_model64, tokenizer):
-    """Under a grammar the plain stream ends when it completes (9 tokens); the
-    speculative run with drafts right then wrong (wrong drafts break the ladder)
-    gives the same stream, never feeds a rejected draft, and ends at the same place."""
-    spec = StructuredOutputSpec(json_schema="9")
-    params = SamplingParams(temperature=0.0, max_tokens=14, structured=spec)
-    stream = token_stream(run(engine_model64, tokenizer, params)[2])
-    plain, speculative = run_pair(engine_model64, tokenizer, params, stream, mode="mixed")
-    assert plain[2][-1].outputs[-1].finish_reason == "stop"
-    assert len(token_stream(plain[2])) == 9
-    assert_same(plain, speculative)
-    (matcher,) = speculative[3].matchers
-    assert matcher.accepted == 9
+    requests = {
+        "string": greedy(12, stop=[stop], include_stop_str_in_output=True),
+        "token": SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stream[6]]),
+        "grammar": SamplingParams(
+            temperature=0.0, max_tokens=12, structured=StructuredOutputSpec(json_schema="9")
+        ),
+    }
+    _, plain, _ = run(engine_model64, tokenizer, requests)
+    streams = {(rid, 0): PROMPT + stream for rid in ("string", "token")}
+    streams["grammar", 0] = PROMPT + token_stream(plain["grammar"])
+    modes = {"string": "oracle", "token": "oracle", "grammar": "mixed"}
+    engine, spec, grammars = run(
+        engine_model64, tokenizer, requests, ScriptedProposer(streams, modes)
+    )
+    assert len(token_stream(plain["grammar"])) == 9
+    for rid in requests:
+        p_out, s_out = plain[rid], spec[rid]
+        assert p_out[-1].outputs[-1].finish_reason == "stop"
+        assert 5 <= len(token_stream(p_out)) < 12
+        assert token_stream(s_out) == token_stream(p_out)
+        assert text(s_out) == text(p_out)
+        assert s_out[-1].outputs[-1].finish_reason == "stop"
+        assert s_out[-1].outputs[-1].stop_reason == p_out[-1].outputs[-1].stop_reason
+        assert s_out[-1].usage == p_out[-1].usage
+    (matcher,) = grammars.matchers
+    assert matcher.accepted == 9 and matcher.is_terminated()
+    assert engine.counters.spec_accepted_tokens > 0
+    assert engine.kv.stats().device_pages_in_use == 0
 
 
 # ----------------------------------------------------------------- configuration
