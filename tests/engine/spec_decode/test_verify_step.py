@@ -30,7 +30,10 @@ from engine.api.request import Request
 from engine.api.sampling_params import SamplingParams
 from engine.model.deepseek_v41.reference import forward_exact
 
-EXACT = 1e-9  # float64: the same state gives the same logits to rounding
+# float64 model, fp32 head (as the release computes logits): the same state gives the
+# same logits to the head's rounding, whatever the row count of the GEMM. A trace of
+# a rejected row moves them by orders of magnitude more.
+EXACT = 1e-6
 
 
 # The dense reference recomputes every row every step: its case is slow in float64.
