@@ -209,6 +209,14 @@ class EngineConfig:
             "help": "compiled grammars kept, LRU, in bytes (default %(default)s)",
         },
     )
+    encoder_cache_bytes: int = field(
+        default=256 << 20,
+        metadata={
+            "group": "limits",
+            "help": "vision-tower outputs kept per image content, LRU, in bytes; an image "
+            "is encoded once per request across chunks and preemption (default %(default)s)",
+        },
+    )
     grammar_workers: int = field(
         default=2,
         metadata={"group": "limits", "help": "grammar compilations at once (default %(default)s)"},
@@ -231,6 +239,7 @@ class EngineConfig:
             "page_tokens",
             "kv_cache_bytes",
             "grammar_cache_bytes",
+            "encoder_cache_bytes",
             "grammar_workers",
             "max_grammar_bytes",
         ):

@@ -19,7 +19,7 @@ from kvstore.device.device_pool import (
 )
 from kvstore.device.layout import KVLayout, SourceLayout, kv_layout
 from kvstore.device.page_format import pack_records, record_views, unpack_page
-from kvstore.device.page_hash import ROOT_HASH, chain_hashes, page_hash
+from kvstore.device.page_hash import ROOT_HASH, SpanKey, chain_hashes, page_hash
 from kvstore.local import LocalKV, open_local_kv
 from kvstore.manager import KVCacheManager, KVManager, PageBytes, RestorePlan
 from kvstore.request_state import OutOfRequestSlots, RequestStateLayout, RequestStatePool
@@ -45,6 +45,7 @@ __all__ = [
     "SSDStats",
     "SourceLayout",
     "SourcePages",
+    "SpanKey",
     "chain_hashes",
     "free_device_bytes",
     "kv_layout",

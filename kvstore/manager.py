@@ -32,7 +32,7 @@ from typing import Protocol
 
 from kvstore.device.block_pool import BlockPool
 from kvstore.device.layout import KVLayout
-from kvstore.device.page_hash import ROOT_HASH, Salt, chain_hashes, salt_bytes
+from kvstore.device.page_hash import ROOT_HASH, Salt, SpanKey, chain_hashes, salt_bytes
 from kvstore.ssd.persistent import PersistentStore
 from kvstore.stats import KVStats, SSDStats
 
@@ -94,7 +94,13 @@ class KVManager(Protocol):
         ...
 
     def place(
-        self, request_id: Hashable, token_ids: Sequence[int], salt: Salt, need_logits: bool = True
+        self,
+        request_id: Hashable,
+        token_ids: Sequence[int],
+        salt: Salt,
+        need_logits: bool = True,
+        *,
+        spans: Sequence[SpanKey] = (),
     ) -> int:
         """Choose the pool of a sequence about to be admitted (before ``can_allocate``)."""
         ...
@@ -110,8 +116,12 @@ class KVManager(Protocol):
         salt: Salt,
         *,
         need_logits: bool = True,
+        spans: Sequence[SpanKey] = (),
     ) -> RestorePlan:
-        """Open the request on its longest cached prefix (device, then SSD pages)."""
+        """Open the request on its longest cached prefix (device, then SSD pages).
+
+        ``spans``: the sequence's image spans, part of its page hashes
+        (``kvstore/device/page_hash.py``); the same ones at every commit."""
         ...
 
     def allocate(self, request_id: Hashable, n_tokens: int) -> list[int]:
@@ -120,7 +130,14 @@ class KVManager(Protocol):
 
     def block_table(self, request_id: Hashable) -> list[int]: ...
 
-    def commit_full_pages(self, request_id: Hashable, token_ids: Sequence[int], salt: Salt) -> int:
+    def commit_full_pages(
+        self,
+        request_id: Hashable,
+        token_ids: Sequence[int],
+        salt: Salt,
+        *,
+        spans: Sequence[SpanKey] = (),
+    ) -> int:
         """Cache the newly full pages whose KV is written; write them behind to SSD."""
         ...
 
@@ -206,7 +223,13 @@ class KVCacheManager:
 
     # One pool: every sequence's pages are in pool 0.
     def place(
-        self, request_id: Hashable, token_ids: Sequence[int], salt: Salt, need_logits: bool = True
+        self,
+        request_id: Hashable,
+        token_ids: Sequence[int],
+        salt: Salt,
+        need_logits: bool = True,
+        *,
+        spans: Sequence[SpanKey] = (),
     ) -> int:
         return 0
 
@@ -221,6 +244,7 @@ class KVCacheManager:
         salt: Salt,
         *,
         need_logits: bool = True,
+        spans: Sequence[SpanKey] = (),
     ) -> RestorePlan:
         """Longest cached prefix from the device tier, extended from SSD; opens the request.
 
@@ -234,7 +258,7 @@ class KVCacheManager:
         pt = self.page_tokens
         n = len(token_ids)
         cap = max(0, (n - 1) // pt) if need_logits else n // pt
-        hashes = chain_hashes(token_ids, salt, pt, n_pages=cap)
+        hashes = chain_hashes(token_ids, salt, pt, n_pages=cap, spans=spans)
         # Walk the chain: each page from the device if resident, else from SSD.
         page_ids: list[int] = []
         on_device: list[bool] = []
@@ -322,11 +346,19 @@ class KVCacheManager:
     def block_table(self, request_id: Hashable) -> list[int]:
         return list(self._requests[request_id].block_table)
 
-    def commit_full_pages(self, request_id: Hashable, token_ids: Sequence[int], salt: Salt) -> int:
+    def commit_full_pages(
+        self,
+        request_id: Hashable,
+        token_ids: Sequence[int],
+        salt: Salt,
+        *,
+        spans: Sequence[SpanKey] = (),
+    ) -> int:
         """Hash and cache the request's newly full pages; queue them for the SSD tier.
 
         ``token_ids`` are the tokens whose KV is written (not a sampled token not
-        yet fed back). Returns the number of pages committed by this call.
+        yet fed back); ``spans`` the request's image spans, as at ``plan_restore``.
+        Returns the number of pages committed by this call.
         """
         req = self._requests[request_id]
         s = salt_bytes(salt)
@@ -335,7 +367,9 @@ class KVCacheManager:
         assert req.salt == s, "a request's cache salt cannot change"
         start = len(req.hashes)
         parent = req.hashes[-1] if req.hashes else ROOT_HASH
-        new = chain_hashes(token_ids, s, self.page_tokens, parent=parent, first_page=start)
+        new = chain_hashes(
+            token_ids, s, self.page_tokens, parent=parent, first_page=start, spans=spans
+        )
         assert start + len(new) <= len(req.block_table), "committing pages never allocated"
         for i, h in enumerate(new, start):
             self.pool.register(req.block_table[i], h)

@@ -9,7 +9,8 @@ engine's own dataclasses (``CompletionOutput``, ``Usage`` ...); only an
 output's exception travels as text (``WireError``).
 
 A request's ``SamplingParams`` travel as their fields, its structured-output
-spec among them (a schema's text: a few KB, compiled by the core itself).
+spec among them (a schema's text: a few KB, compiled by the core itself); its
+images as ``WireImage`` (plan, patch bytes, content hash: ``image_wire.py``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 import msgspec
 
 from engine.api.errors import GrammarError, RequestError
+from engine.api.image_wire import WireImage, image_of, wire_image
 from engine.api.request import (
     CompletionOutput,
     Request,
@@ -46,6 +48,7 @@ class AddMsg(msgspec.Struct, tag="add", array_like=True):
     prefill_only: bool
     num_seqs: int
     publish_timeout: float | None = None  # prefill-only: wait this long for the SSD writes
+    images: list[WireImage] = []  # the prompt's images (``Request.images``), in order
 
 
 class AbortMsg(msgspec.Struct, tag="abort", array_like=True):
@@ -145,6 +148,7 @@ def add_msg(request: Request, publish_timeout: float | None = None) -> AddMsg:
         prefill_only=request.prefill_only,
         num_seqs=1 if request.prefill_only else params.n,
         publish_timeout=publish_timeout,
+        images=[wire_image(i) for i in request.images],
     )
 
 
@@ -163,6 +167,7 @@ def request_of(msg: AddMsg) -> Request:
         priority=msg.priority,
         arrival_time=msg.arrival_time,
         prefill_only=msg.prefill_only,
+        images=[image_of(i) for i in msg.images],
     )
 
 

@@ -34,6 +34,7 @@ from engine.core.sequence import Sequence, SequenceStatus
 from engine.core.speculation import make_speculator
 from engine.core.step import ModelRunner, StepBatch
 from engine.model.deepseek_v41.config import ModelConfig
+from engine.model.deepseek_v41.vision.config import image_token_id, vision_config
 from engine.sample.sampler import Sampler, SeqHistory, make_generator
 from engine.spec_decode.proposer import Proposer
 from engine.structured_output.backend import GrammarBackend, GrammarJob, TokenMaskProvider
@@ -143,6 +144,9 @@ class LLMEngine:
         self.eos_token_id = eos_token_id
         self.vocab_size = vocab_size
         self.max_model_len = config.max_model_len or max_position_embeddings
+        # Images only for a model with a vision tower: its placeholder id and settings.
+        self.vision = vision_config(model_config)
+        self.image_token_id = image_token_id(model_config) if self.vision else None
         self.replay_tokens = config.replay_window(model_config.sliding_window)
 
         def release(seq: Sequence) -> None:
@@ -201,6 +205,9 @@ class LLMEngine:
             num_pages=self.kv.num_pages,
             has_tokenizer=self.tokenizer is not None,
             encoder_only=self.encoder_only,
+            image_token_id=self.image_token_id,
+            image_patch_size=self.vision.patch_size if self.vision else None,
+            image_downsample_ratio=self.vision.downsample_ratio if self.vision else None,
         )
 
     def add_request(self, request: Request) -> None:
@@ -283,6 +290,9 @@ class LLMEngine:
             arrival=request.arrival_time,
             index=index,
             prefill_only=prefill_only,
+            # A prefill-only prompt is cut to full pages: a span past the cut is not
+            # in it, one across the cut only in part (the runner takes its rows so far).
+            images=tuple(i for i in request.images if i.offset < len(prompt)),
             # One choice scores the prompt for all of them.
             prompt_logprobs=request.sampling_params.prompt_logprobs if index == 0 else None,
         )
@@ -547,7 +557,7 @@ class LLMEngine:
 
     def _commit(self, seq: Sequence) -> None:
         """Cache the sequence's newly full pages (rows whose KV the runner wrote)."""
-        self.kv.commit_full_pages(seq.seq_id, seq.computed_view, seq.salt)
+        self.kv.commit_full_pages(seq.seq_id, seq.computed_view, seq.salt, spans=seq.span_keys)
 
     # ------------------------------------------------------------ outputs
     def _choice(self, seq: Sequence) -> _Choice:

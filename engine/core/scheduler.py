@@ -130,11 +130,12 @@ class Scheduler:
         # admitting without them would only start work that preemption throws away.
         # A waiting sequence holds no pages, so this asks for all of them.
         # DP attention chooses the sequence's rank first (dp_kv.py); one pool has one.
-        self.kv.place(seq.seq_id, seq.token_ids, seq.salt, not seq.prefill_only)
+        spans = seq.span_keys
+        self.kv.place(seq.seq_id, seq.token_ids, seq.salt, not seq.prefill_only, spans=spans)
         if not self.kv.can_allocate(seq.seq_id, seq.num_tokens):
             return None
         hit = self.kv.plan_restore(
-            seq.seq_id, seq.token_ids, seq.salt, need_logits=not seq.prefill_only
+            seq.seq_id, seq.token_ids, seq.salt, need_logits=not seq.prefill_only, spans=spans
         )
         if seq.scores_prompt:
             plan = ReplayPlan.every_row(self.model_config, hit.hit_tokens)

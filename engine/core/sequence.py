@@ -14,9 +14,9 @@ from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from engine.api.request import TokenLogprob
+from engine.api.request import ImageInput, TokenLogprob
 from engine.model.semantics.replay import ReplayPlan
-from kvstore.device.page_hash import Salt
+from kvstore.device.page_hash import Salt, SpanKey
 
 
 class TokenSlice(SequenceABC[int]):
@@ -76,6 +76,10 @@ class Sequence:
     arrival: float = 0.0
     index: int = 0  # choice index within the request (0 .. n-1)
     prefill_only: bool = False  # encoder path only: no decoder rows, no token
+    # The prompt's images (spans in order, inside the prompt); the runner feeds their
+    # encoder rows at the span positions, and every page hash over a span includes its
+    # image (``span_keys``). Both outlive preemption: the spans are prompt positions.
+    images: tuple[ImageInput, ...] = ()
     # Score the prompt (top k alternatives): every prompt row runs at full depth and
     # yields logits, until the prompt is scored once (a resume does not score again).
     prompt_logprobs: int | None = None
@@ -106,6 +110,11 @@ class Sequence:
     stop_reason: int | str | None = None
 
     # ------------------------------------------------------------ views
+    @property
+    def span_keys(self) -> tuple[SpanKey, ...]:
+        """The image spans as the page hashes key them (``kvstore/device/page_hash.py``)."""
+        return tuple(SpanKey(i.offset, i.image.tokens, i.image.content_hash) for i in self.images)
+
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)

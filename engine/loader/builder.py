@@ -98,7 +98,12 @@ def engine_for_model(
     if config.runner == "reference":
         from engine.runner.reference_runner import ReferenceRunner
 
-        runner = ReferenceRunner(model, pages, KVPrecision(global_kv=config.kv_dtype))
+        runner = ReferenceRunner(
+            model,
+            pages,
+            KVPrecision(global_kv=config.kv_dtype),
+            encoder_cache_bytes=config.encoder_cache_bytes,
+        )
     else:
         from engine.runner.cuda_graphs import decode_graphs_for
         from engine.runner.model_runner import PagedModelRunner
@@ -110,7 +115,13 @@ def engine_for_model(
             enforce_eager=config.enforce_eager,
             sizes=config.cuda_graph_sizes,
         )
-        runner = PagedModelRunner(model, pages, config.max_num_seqs, graphs)
+        runner = PagedModelRunner(
+            model,
+            pages,
+            config.max_num_seqs,
+            graphs,
+            encoder_cache_bytes=config.encoder_cache_bytes,
+        )
     spec = config.speculative()
     proposer = None
     if spec is not None:

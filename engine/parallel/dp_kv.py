@@ -26,7 +26,7 @@ import torch
 
 from kvstore.device.device_pool import require_pages
 from kvstore.device.layout import KVLayout
-from kvstore.device.page_hash import Salt, chain_hashes
+from kvstore.device.page_hash import Salt, SpanKey, chain_hashes
 from kvstore.manager import KVCacheManager, RestorePlan
 from kvstore.ssd.persistent import PersistentStore
 from kvstore.stats import KVStats
@@ -106,7 +106,13 @@ class DataParallelKV:
 
     # ------------------------------------------------------------ placement
     def place(
-        self, request_id: Hashable, token_ids: Sequence[int], salt: Salt, need_logits: bool = True
+        self,
+        request_id: Hashable,
+        token_ids: Sequence[int],
+        salt: Salt,
+        need_logits: bool = True,
+        *,
+        spans: Sequence[SpanKey] = (),
     ) -> int:
         """Choose the rank of a sequence not yet admitted (see the module doc)."""
         current = self._rank.get(request_id)
@@ -114,7 +120,7 @@ class DataParallelKV:
             return current  # admitted already: it stays
         n = len(token_ids)
         cap = max(0, (n - 1) // self.page_tokens) if need_logits else n // self.page_tokens
-        hashes = chain_hashes(token_ids, salt, self.page_tokens, n_pages=cap)
+        hashes = chain_hashes(token_ids, salt, self.page_tokens, n_pages=cap, spans=spans)
         load = [0] * len(self.ranks)
         for rid, r in self._rank.items():
             # Admitted sequences only: a placement of one that never got its pages
@@ -157,9 +163,10 @@ class DataParallelKV:
         salt: Salt,
         *,
         need_logits: bool = True,
+        spans: Sequence[SpanKey] = (),
     ) -> RestorePlan:
         return self._m(request_id).plan_restore(
-            request_id, token_ids, salt, need_logits=need_logits
+            request_id, token_ids, salt, need_logits=need_logits, spans=spans
         )
 
     def allocate(self, request_id: Hashable, n_tokens: int) -> list[int]:
@@ -168,8 +175,15 @@ class DataParallelKV:
     def block_table(self, request_id: Hashable) -> list[int]:
         return self._m(request_id).block_table(request_id)
 
-    def commit_full_pages(self, request_id: Hashable, token_ids: Sequence[int], salt: Salt) -> int:
-        return self._m(request_id).commit_full_pages(request_id, token_ids, salt)
+    def commit_full_pages(
+        self,
+        request_id: Hashable,
+        token_ids: Sequence[int],
+        salt: Salt,
+        *,
+        spans: Sequence[SpanKey] = (),
+    ) -> int:
+        return self._m(request_id).commit_full_pages(request_id, token_ids, salt, spans=spans)
 
     def publish(self, request_id: Hashable) -> list[bytes]:
         raise NotImplementedError("prefill-only requests are not served with parallel serving")

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 import zmq
 
+from engine.api.image_wire import wire_image
 from engine.api.request import TokenLogprob
 from engine.config import EngineConfig
 from engine.core.sequence import Sequence
@@ -89,6 +90,7 @@ def worker_specs(
             timeout_s=config.worker_timeout_s,
             threads=config.worker_threads,
             parent_pid=os.getpid(),
+            encoder_cache_bytes=config.encoder_cache_bytes,
         )
         for i in range(per_node)
     ]
@@ -282,6 +284,7 @@ class ParallelExecutor:
                 prefill_only=seq.prefill_only,
                 prompt_logprobs=seq.prompt_logprobs,
                 prompt_scored=seq.prompt_scored,
+                images=[wire_image(i) for i in seq.images] if base == 0 else [],
             )
         )
         self._sent[seq.seq_id] = seq.num_tokens

@@ -109,13 +109,19 @@ class _Rank:
         )
         # The rank's page bytes; which page holds what is the core's bookkeeping.
         self.pages = DevicePool(layout, require_pages(layout, spec.kv_cache_bytes), device)
-        self.runner = PagedModelRunner(self.model, self.pages, spec.max_num_seqs)
+        self.runner = PagedModelRunner(
+            self.model,
+            self.pages,
+            spec.max_num_seqs,
+            encoder_cache_bytes=spec.encoder_cache_bytes,
+        )
         self.seqs: dict = {}
         self.leader = spec.rank % spec.tensor_parallel_size == 0
 
     def step(self, work: wire.StepWork) -> wire.StepDone:
         import torch
 
+        from engine.api.image_wire import image_of
         from engine.core.sequence import Sequence
         from engine.core.step import PrefillChunk, StepBatch
 
@@ -131,6 +137,7 @@ class _Rank:
             seq = self.seqs.get(st.seq_id)
             if seq is None:
                 seq = Sequence(st.seq_id, "", [], st.num_prompt_tokens)
+                seq.images = tuple(image_of(i) for i in st.images)
                 self.seqs[st.seq_id] = seq
             if len(seq.token_ids) != st.token_base:
                 raise RuntimeError(

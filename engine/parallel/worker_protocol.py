@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import msgspec
 
+from engine.api.image_wire import WireImage
 from engine.api.request import TokenLogprob
 
 
@@ -35,6 +36,7 @@ class WorkerSpec(msgspec.Struct, array_like=True):
     timeout_s: float
     threads: int | None
     parent_pid: int  # exit when this process is gone (0: do not watch)
+    encoder_cache_bytes: int = 256 << 20  # the rank's encoder cache (EngineConfig's)
 
 
 class Hello(msgspec.Struct, tag="hello", array_like=True):
@@ -55,6 +57,9 @@ class SeqState(msgspec.Struct, array_like=True):
     prefill_only: bool
     prompt_logprobs: int | None
     prompt_scored: bool
+    # The prompt's images, with a new mirror only (token_base 0): each rank runs the
+    # vision tower itself (replicated, docs/design/images.md).
+    images: list[WireImage] = []
 
 
 class StepWork(msgspec.Struct, tag="step", array_like=True):

@@ -17,6 +17,10 @@ model's one forward (``CausalLM.forward``) over the paged KV backend
 The dense oracle is the same forward over ``engine/model/kv/dense_backend.py``;
 the engine tests hold the two together.
 
+Image rows (``image_rows.py``): each segment's image positions take their
+span rows from the runner's encoder cache (``encoder_cache.py``), which runs
+the vision tower once per image.
+
 The runner owns the KV bytes of its process: the page pool it is given
 (``DevicePool``; which page holds what is the ``KVManager``'s bookkeeping) and
 the per-request SWA rings and compressor rows it allocates (``RequestStatePool``).
@@ -32,6 +36,7 @@ from engine.core.step import StepBatch
 from engine.model.base import CausalLM
 from engine.runner.cuda_graphs import DecodeGraphs
 from engine.runner.hidden_capture import HiddenCapture
+from engine.runner.image_rows import encoder_cache_for, image_embeds
 from engine.runner.paged_backend import PagedKV, Segment
 from engine.runner.verify_undo import VerifyUndo
 from engine.sample.prompt_scores import score_rows
@@ -48,8 +53,11 @@ class PagedModelRunner:
         device_pages: DevicePool,
         max_num_seqs: int,
         graphs: DecodeGraphs | None = None,
+        *,
+        encoder_cache_bytes: int = 256 << 20,
     ) -> None:
         self.model = model
+        self.encoder_cache = encoder_cache_for(model, encoder_cache_bytes)
         # Captured decode steps (engine/runner/cuda_graphs.py); None: every step runs eagerly.
         self.graphs = graphs
         self.config = config = model.config
@@ -90,6 +98,7 @@ class PagedModelRunner:
 
     def release(self, seq: Sequence) -> None:
         self._undo.pop(seq.seq_id, None)
+        self.encoder_cache.release(seq.seq_id)
         if seq.seq_id in self._has_state:
             self._has_state.discard(seq.seq_id)
             self.states.free(seq.seq_id)
@@ -134,9 +143,14 @@ class PagedModelRunner:
             and self._hidden is None
             and graphs.fits(len(segments))
         ):
-            logits = graphs.forward(kv)  # a decode-only step in a captured bucket
+            # A decode-only step in a captured bucket: a decode row is never inside a
+            # span (a sampled placeholder takes its plain embedding, as captured).
+            logits = graphs.forward(kv)
         else:
-            logits = self.model(kv.input_ids(), kv)
+            embeds = image_embeds(
+                self.model, self.encoder_cache, [(s.seq, s.start, s.end) for s in segments]
+            )
+            logits = self.model(kv.input_ids(), kv, image_embeds=embeds)
         self._undo.update(kv.undo)
         out: dict[int, torch.Tensor] = {}
         for seg, first, count in kv.logit_segments():

@@ -24,6 +24,7 @@ from engine.model.base import CausalLM
 from engine.model.deepseek_v41.reference import forward
 from engine.model.kv.dense_backend import GlobalKV, KVPrecision
 from engine.model.semantics.replay import ReplayPlan
+from engine.runner.image_rows import encoder_cache_for, image_embeds
 from engine.sample.prompt_scores import score_rows
 from kernels.kv_formats import (
     dequantize_index_key,
@@ -45,9 +46,19 @@ from kvstore.device.device_pool import DevicePool, SourcePages
 class ReferenceRunner:
     """Dense recompute per step; global KV kept as bytes in the pool's pages."""
 
-    def __init__(self, model: CausalLM, device_pages: DevicePool, precision: KVPrecision) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        device_pages: DevicePool,
+        precision: KVPrecision,
+        *,
+        encoder_cache_bytes: int = 256 << 20,
+    ) -> None:
         assert precision.global_kv in ("fp4", "bf16"), "pages store fp4 or bf16 global KV"
         self.model = model
+        # Every step recomputes the rows from the plan's encoder start: the image
+        # rows among them come from here, the vision tower run once per image.
+        self.encoder_cache = encoder_cache_for(model, encoder_cache_bytes)
         self.device_pages = device_pages
         self.precision = precision
         self.page_tokens = device_pages.layout.page_tokens
@@ -76,6 +87,7 @@ class ReferenceRunner:
 
     def release(self, seq: Sequence) -> None:
         self._written.pop(seq.seq_id, None)
+        self.encoder_cache.release(seq.seq_id)
 
     # ------------------------------------------------------------ internals
     def _run(self, seq: Sequence, n: int, rows: int = 1) -> torch.Tensor | None:
@@ -87,7 +99,8 @@ class ReferenceRunner:
         stored = self._read(seq, H) if H else None
         device = self.model.embed.weight.device
         ids = torch.tensor(seq.token_ids[:n], device=device)
-        result = forward(self.model, ids, plan, stored, self.precision)
+        embeds = image_embeds(self.model, self.encoder_cache, [(seq, plan.encoder_start, n)])
+        result = forward(self.model, ids, plan, stored, self.precision, image_embeds=embeds)
         done = self._written.get(seq.seq_id, H)
         for layer, ratio in self.sources.items():
             first, last = done // ratio, n // ratio

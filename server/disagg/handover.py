@@ -31,6 +31,17 @@ PREFILL_ROUTES = {
     "/beta/completions": "/internal/prefill/fim",
 }
 
+# Public routes the router sends straight to a decode worker, which prefills them
+# itself: no prefill-worker route plans a Messages body. An agent's repeated context
+# still hits that worker's prefix cache, and session affinity keeps the
+# conversation on it.
+DECODE_ROUTES = (
+    "/v1/messages",
+    "/anthropic/v1/messages",
+    "/v1/messages/count_tokens",
+    "/anthropic/v1/messages/count_tokens",
+)
+
 
 @dataclass(frozen=True, slots=True)
 class Handover:

@@ -13,12 +13,15 @@ For each API request the router:
 3. streams the decode worker's response back byte for byte (SSE or JSON,
    status and error bodies included).
 
+The Messages API's routes (``DECODE_ROUTES``) skip step 1: their body goes
+straight to a decode worker, which prefills it.
+
 A prefill call that times out or fails (the worker died, the connection was
 cut, a 5xx) is a fallback, counted by reason: the request still goes to a
 decode worker, which computes whatever is missing. A request the prefill
 worker rejects as invalid (4xx) goes on too, so the client gets the decode
 worker's answer for it. The router holds no model and no KV: it
-authenticates the API key and forwards the ``Authorization`` header, so the
+authenticates the API key and forwards the ``Authorization`` (or ``x-api-key``) header, so the
 workers derive the same tenant salt (give them the same keys).
 """
 
@@ -38,11 +41,18 @@ from fastapi import Request as HttpRequest
 from fastapi.responses import Response
 from pydantic import ValidationError
 
-from server.disagg.handover import ARRIVAL_HEADER, HANDOVER_HEADER, PREFILL_ROUTES, Handover
+from server.anthropic.errors import ANTHROPIC_ERRORS
+from server.disagg.handover import (
+    ARRIVAL_HEADER,
+    DECODE_ROUTES,
+    HANDOVER_HEADER,
+    PREFILL_ROUTES,
+    Handover,
+)
 from server.disagg.prefill_worker import PrefillResponse
 from server.disagg.settings import RouterSettings
 from server.disagg.worker_pool import WorkerPool, session_key
-from server.http.auth import api_key_dependency
+from server.http.auth import api_key_dependency, x_api_key_dependency
 from server.http.body_limit import BodySizeLimit
 from server.http.error_handlers import install_error_handlers
 from server.http.errors import server_error, unavailable
@@ -183,28 +193,52 @@ def create_router_app(
         await client.aclose()
 
     app = FastAPI(title="flashserve router", lifespan=lifespan)
-    install_error_handlers(app)
+    shapes = (ANTHROPIC_ERRORS,)  # the router's own failures on Messages paths, in its shape
+    install_error_handlers(app, shapes)
     app.add_middleware(
         BodySizeLimit,
         max_bytes=settings.max_body_bytes,
         read_timeout_s=settings.body_read_timeout_s,
+        shapes=shapes,
     )
-    app.add_middleware(QuietCancel)  # what uvicorn cancels at shutdown: no traceback
+    app.add_middleware(QuietCancel, shapes=shapes)  # what uvicorn cancels at shutdown: no traceback
     auth = api_key_dependency(settings.api_keys)
 
-    async def proxy(request: HttpRequest, _: Annotated[str | None, Depends(auth)]) -> Response:
+    async def forward(request: HttpRequest) -> Response:
         arrived_at = time.time()
         body = await request.body()
         headers = {"content-type": request.headers.get("content-type", "application/json")}
-        if "authorization" in request.headers:
-            headers["authorization"] = request.headers["authorization"]
-        session = session_key(body, headers.get("authorization"))
+        for name in ("authorization", "x-api-key"):
+            if name in request.headers:
+                headers[name] = request.headers[name]
+        key = headers.get("authorization") or headers.get("x-api-key")
+        session = session_key(body, key)
         path = request.url.path
-        handover = await upstreams.prefill(path, body, headers, session)
+        handover = None
+        if path in PREFILL_ROUTES:
+            handover = await upstreams.prefill(path, body, headers, session)
         return await upstreams.decode(path, body, headers, handover, session, arrived_at)
+
+    async def proxy(request: HttpRequest, _: Annotated[str | None, Depends(auth)]) -> Response:
+        return await forward(request)
+
+    # The Messages API authenticates by x-api-key too, as its own server does.
+    messages_auth = x_api_key_dependency(settings.api_keys)
+
+    async def proxy_messages(
+        request: HttpRequest, _: Annotated[str | None, Depends(messages_auth)]
+    ) -> Response:
+        return await forward(request)
 
     for path in PREFILL_ROUTES:
         app.add_api_route(path, proxy, methods=["POST"], response_model=None)
+    for path in DECODE_ROUTES:
+        app.add_api_route(path, proxy_messages, methods=["POST"], response_model=None)
+
+    async def hello() -> dict[str, str]:  # Claude Code's reachability check, as a worker's
+        return {}
+
+    app.add_api_route("/anthropic/api/hello", hello, methods=["GET", "HEAD"])
 
     add_model_routes(app, settings.served_model_name, auth)
 

@@ -55,6 +55,8 @@ OPTIONS = " ".join(
         "--worker-timeout --worker-threads",
         # Added since: the chat page at / (server/playground/).
         "--no-playground",
+        # Added since: the vision tower's outputs per image (docs/design/images.md).
+        "--encoder-cache-bytes",
         # Speculative decoding (docs/design/engine.md).
         "--speculative-config",
     )
@@ -90,6 +92,7 @@ ENGINE_DEFAULTS = {
     "worker_threads": None,
     "grammar_timeout_s": 10.0,
     "grammar_cache_bytes": 256 << 20,
+    "encoder_cache_bytes": 256 << 20,
     "grammar_workers": 2,
     "max_grammar_bytes": 64 << 20,
     "speculative_config": None,

@@ -39,8 +39,12 @@ def forward_train(
     stored: GlobalKV | None = None,
     precision: KVPrecision | None = None,
     trace: dict[str, dict[int, torch.Tensor]] | None = None,
+    image_embeds: torch.Tensor | None = None,
 ) -> ReferenceOutput:
     """Run ``input_ids`` [N] under ``plan``; logits of rows [plan.logits_start, N).
+
+    ``image_embeds``: the rows of the image positions among the rows the pass
+    runs, ``input_ids[plan.encoder_start:]`` (``DeepseekV41.forward``).
 
     ``trace``, when given, receives per layer the query positions (``pos``), the
     selected compressed entries (``topk``) and the candidate mask (``candidates``)
@@ -49,7 +53,7 @@ def forward_train(
     config = model.config
     plan = plan or ReplayPlan.exact(config)
     kv = DenseKV(config, input_ids, plan, stored, precision, model.embed.weight.dtype)
-    logits = model(input_ids[plan.encoder_start :], kv, trace)
+    logits = model(input_ids[plan.encoder_start :], kv, trace, image_embeds=image_embeds)
     return ReferenceOutput(logits, kv.global_kv)
 
 

@@ -10,8 +10,16 @@ const ui = {
   send: $("send"), stop: $("stop"), clear: $("clear"), model: $("model"), apiKey: $("api-key"),
   thinking: $("thinking"), temperature: $("temperature"), topP: $("top-p"),
   maxTokens: $("max-tokens"), system: $("system"), jsonMode: $("json-mode"),
-  jsonSchema: $("json-schema"), tools: $("tools"),
+  jsonSchema: $("json-schema"), tools: $("tools"), attach: $("attach"), files: $("image-files"),
+  attachments: $("attachments"), attachHint: $("attach-hint"),
 };
+
+// Images go as OpenAI image_url parts with data: URLs, and only to a model whose
+// /v1/models card lists "image" in its input_modalities.
+const IMAGE_TYPES = ["image/png", "image/jpeg", "image/webp", "image/gif"]; // what the server decodes
+const MAX_IMAGE_BYTES = 20 * 1024 * 1024; // the server's default limit per image
+const imageModels = new Set();
+const pending = []; // images for the next message, in order: {name, url}; url null while read
 
 // The conversation as the API sees it, and the request in flight (if any).
 const messages = [];
@@ -62,6 +70,9 @@ async function loadModels() {
   ui.model.replaceChildren(...list.map((m) => el("option", "", m.id)));
   for (const option of ui.model.options) option.value = option.textContent;
   if (list.some((m) => m.id === previous)) ui.model.value = previous;
+  imageModels.clear();
+  for (const m of list) if ((m.input_modalities || []).includes("image")) imageModels.add(m.id);
+  showAttach();
   setStatus(`${list.length} model names from /v1/models.`);
 }
 
@@ -75,8 +86,72 @@ function addBlock(role, title) {
   return block;
 }
 
-function addUser(text) {
-  addBlock("user", "You").append(el("div", "text", text));
+function thumbnail(image) {
+  const img = el("img", "thumb");
+  img.src = image.url; // a data: URL (the policy's img-src allows data:)
+  img.alt = image.name;
+  return img;
+}
+
+function addUser(text, images) {
+  const block = addBlock("user", "You");
+  if (text) block.append(el("div", "text", text));
+  if (images.length) block.append(el("div", "thumbs"));
+  for (const image of images) block.lastChild.append(thumbnail(image));
+}
+
+// ---------------------------------------------------------------- images
+
+function showAttach() {
+  const on = imageModels.has(ui.model.value);
+  ui.attach.hidden = ui.attachHint.hidden = !on;
+  if (!on) { pending.length = 0; showPending(); }
+}
+
+function showPending() {
+  ui.attachments.replaceChildren(...pending.filter((p) => p.url).map((image) => {
+    const item = el("figure", "attachment");
+    const remove = el("button", "", "\u00d7");
+    remove.type = "button";
+    remove.setAttribute("aria-label", "Remove " + image.name);
+    remove.addEventListener("click", () => {
+      pending.splice(pending.indexOf(image), 1);
+      showPending();
+      ui.prompt.focus();
+    });
+    item.append(thumbnail(image), remove);
+    return item;
+  }));
+}
+
+const mib = (n) => (n / 1048576).toFixed(1) + " MiB";
+
+// Files picked, pasted or dropped: each checked here (type, size), then read as a data: URL.
+function addImages(files) {
+  if (!files.length) return;
+  if (!imageModels.has(ui.model.value)) {
+    setStatus(`${ui.model.value || "This model"} does not take images.`, true);
+    return;
+  }
+  for (const file of files) {
+    const name = file.name || "pasted image";
+    if (!IMAGE_TYPES.includes(file.type)) {
+      setStatus(`${name}: not a PNG, JPEG, WebP or GIF image.`, true);
+    } else if (file.size > MAX_IMAGE_BYTES) {
+      setStatus(`${name} is ${mib(file.size)}, over the server's limit of ` +
+        `${mib(MAX_IMAGE_BYTES)} per image.`, true);
+    } else {
+      const image = { name, url: null };
+      pending.push(image); // its place now: images go in the order they were added
+      const reader = new FileReader();
+      reader.onload = () => { image.url = reader.result; showPending(); };
+      reader.onerror = () => {
+        pending.splice(pending.indexOf(image), 1);
+        setStatus(`${name}: cannot be read.`, true);
+      };
+      reader.readAsDataURL(file);
+    }
+  }
 }
 
 function addToolResult(id, text) {
@@ -243,19 +318,28 @@ async function* sseData(response) {
 async function send() {
   if (inFlight) return;
   const text = ui.prompt.value;
+  const images = [...pending];
+  if (images.some((p) => !p.url)) { setStatus("An image is still being read.", true); return; }
   const last = messages[messages.length - 1];
-  const continuing = text.trim() === "" && last && last.role === "tool";
-  if (text.trim() === "" && !continuing) return;
+  const continuing = text.trim() === "" && !images.length && last && last.role === "tool";
+  if (text.trim() === "" && !images.length && !continuing) return;
+  // With images the content is a list of parts: the text, then the images in order.
+  const content = !images.length ? text : [
+    ...(text.trim() ? [{ type: "text", text }] : []),
+    ...images.map((p) => ({ type: "image_url", image_url: { url: p.url } })),
+  ];
   let body;
-  if (!continuing) messages.push({ role: "user", content: text });
+  if (!continuing) messages.push({ role: "user", content });
   try { body = requestBody(); }
   catch (err) {
     if (!continuing) messages.pop();
     setStatus(err.message, true);
     return;
   }
-  if (!continuing) addUser(text);
+  if (!continuing) addUser(text, images);
   ui.prompt.value = "";
+  pending.length = 0;
+  showPending();
   const view = answerView();
   view.block.setAttribute("aria-busy", "true"); // screen readers read it once it is done
   const controller = new AbortController();
@@ -348,9 +432,34 @@ ui.clear.addEventListener("click", () => {
     inFlight.controller.abort();
   }
   messages.length = 0;
+  pending.length = 0;
+  showPending();
   ui.log.replaceChildren();
   setStatus("New chat.");
   ui.prompt.focus();
+});
+ui.model.addEventListener("change", showAttach);
+ui.attach.addEventListener("click", () => ui.files.click());
+ui.files.addEventListener("change", () => {
+  addImages([...ui.files.files]);
+  ui.files.value = ""; // the same file may be picked again
+});
+// A pasted file inserts nothing into a textarea, so the text of a paste is left alone.
+ui.prompt.addEventListener("paste", (event) => {
+  addImages([...event.clipboardData.files].filter((f) => f.type.startsWith("image/")));
+});
+const dragsFiles = (event) => event.dataTransfer && event.dataTransfer.types.includes("Files");
+ui.composer.addEventListener("dragover", (event) => {
+  if (!dragsFiles(event)) return;
+  event.preventDefault(); // without it the browser opens the dropped file instead
+  ui.composer.classList.add("dropping");
+});
+ui.composer.addEventListener("dragleave", () => ui.composer.classList.remove("dropping"));
+ui.composer.addEventListener("drop", (event) => {
+  ui.composer.classList.remove("dropping");
+  if (!dragsFiles(event)) return;
+  event.preventDefault();
+  addImages([...event.dataTransfer.files]);
 });
 ui.apiKey.value = sessionStorage.getItem(KEY_STORAGE) || "";
 ui.apiKey.addEventListener("change", () => {

@@ -231,3 +231,26 @@ def test_router_settings_refuse_an_empty_pool() -> None:
         RouterSettings((), (DECODE,))
     with pytest.raises(ValueError, match="prefill_timeout_s"):
         RouterSettings((PREFILL,), (DECODE,), prefill_timeout_s=0)
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/anthropic/v1/messages/count_tokens"])
+def test_a_messages_request_goes_straight_to_a_decode_worker(path: str) -> None:
+    workers = Workers()
+    body = {
+        "model": "deepseek-flash",
+        "max_tokens": 8,
+        "messages": [{"role": "user", "content": "hi"}],
+    }
+    router = RouterSettings((PREFILL,), (DECODE,))
+    app = create_router_app(
+        ServerSettings(api_keys=(KEY,)), router, transport=httpx.MockTransport(workers)
+    )
+    with TestClient(app) as client:
+        refused = client.post(path, json=body)  # no key: no worker called
+        assert refused.status_code == 401 and refused.json()["type"] == "error"  # its shape
+        assert client.head("/anthropic/api/hello").status_code == 200
+        reply = client.post(path, json=body, headers={"x-api-key": KEY})
+        assert reply.status_code == 200 and reply.json() == {"ok": True}
+    (decode,) = workers.calls  # no prefill call: no prefill route plans a Messages body
+    assert decode.url == DECODE + path and HANDOVER_HEADER not in decode.headers
+    assert decode.headers["x-api-key"] == KEY and json.loads(decode.content) == body

@@ -16,6 +16,8 @@ downloads are never used).
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import re
 import shutil
@@ -138,7 +140,8 @@ def tab(server: LiveServer, browser: Browser) -> Iterator[Tab]:
     page.goto(server.base_url + "/")
     try:
         yield tab
-        foreign = [u for u in tab.requests if not _same_origin(u, origin) and u != "data:,"]
+        # data: URLs (the icon, image thumbnails) are in the page, not fetched from anywhere.
+        foreign = [u for u in tab.requests if not _same_origin(u, origin) and u[:5] != "data:"]
         assert foreign == [], "requests to another origin"
         assert tab.problems == []
     finally:
@@ -231,6 +234,8 @@ def test_page_loads_from_this_server_only(tab: Tab, server: LiveServer) -> None:
         server.base_url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}
     ).json()
     ids = [m["id"] for m in models["data"]]
+    # The attach button only where the selected (first) model's card lists images.
+    takes_images = "image" in models["data"][0].get("input_modalities", [])
     # (Locator waits: wait_for_function's string predicate is an eval the policy refuses.)
     page.locator("#model option").nth(len(ids) - 1).wait_for(state="attached")
     assert page.locator("#model option").all_inner_texts() == ids
@@ -240,15 +245,17 @@ def test_page_loads_from_this_server_only(tab: Tab, server: LiveServer) -> None:
     assert page.context.cookies() == []
     # Tab walks the controls in reading order: the message, its buttons (Stop is off
     # while nothing runs), then the settings top to bottom.
+    assert page.get_by_role("button", name="Attach image").is_visible() is takes_images
     page.get_by_label("Message").focus()
     order = []
-    for _ in range(13):
+    for _ in range(13 + takes_images):
         order.append(page.evaluate("document.activeElement.id"))
         page.keyboard.press("Tab")
     assert order == [
         "prompt",
         "send",
         "clear",
+        *(["attach"] if takes_images else []),
         "model",
         "api-key",
         "thinking",
@@ -494,3 +501,151 @@ def test_output_is_text_and_tool_calls_are_blocks(tab: Tab) -> None:
     assert second[2] == {"role": "tool", "tool_call_id": "call_1", "content": "<b>22 C</b>"}
     assert page.locator("#log b").count() == 0
     tab.shot("tool-result")
+
+
+def _png(width: int, height: int, colour: tuple[int, int, int]) -> bytes:
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (width, height), colour).save(out, format="PNG")
+    return out.getvalue()
+
+
+def _images_for(page: Page, ids: set[str] | None = None) -> None:
+    """Answer /v1/models with the server's own cards, ``input_modalities`` added to
+    those in ``ids`` (all when None): the page's switch, whatever the engine takes."""
+
+    def reply(route: Route) -> None:
+        cards = route.fetch().json()
+        for card in cards["data"]:
+            if ids is None or card["id"] in ids:
+                card["input_modalities"] = ["text", "image"]
+        route.fulfill(json=cards)
+
+    page.route("**/v1/models", reply)
+
+
+# Hands files to the page as a paste or a drop would (the test cannot reach the OS's
+# clipboard or drag a file in from outside the browser): [name, type, base64 bytes].
+_GIVE_FILES = """([kind, files]) => {
+    const dt = new DataTransfer();
+    for (const [name, type, b64] of files) {
+      const bytes = Uint8Array.from(atob(b64), (c) => c.charCodeAt(0));
+      dt.items.add(new File([bytes], name, {type}));
+    }
+    const target = document.getElementById(kind === 'paste' ? 'prompt' : 'composer');
+    const init = {bubbles: true, cancelable: true};
+    target.dispatchEvent(kind === 'paste'
+      ? new ClipboardEvent('paste', {...init, clipboardData: dt})
+      : new DragEvent('drop', {...init, dataTransfer: dt}));
+}"""
+
+
+def _give(page: Page, kind: str, *files: tuple[str, str, bytes]) -> None:
+    payload = [[name, mime, base64.b64encode(data).decode()] for name, mime, data in files]
+    page.evaluate(_GIVE_FILES, [kind, payload])
+
+
+def test_attached_images_go_as_data_url_parts_in_order(tab: Tab) -> None:
+    """An image from the button, one pasted, one dropped: thumbnails in the composer,
+    then one user message whose content is the text and the three image_url parts in
+    the order they were added, each the file's bytes as a data: URL (the oracle: the
+    bytes base64-encoded here); the images stay in the history of the next turn."""
+    bodies: list[dict] = []
+
+    def reply(route: Route) -> None:
+        bodies.append(route.request.post_data_json)
+        body = _event({"content": "A red square."}) + _event({}, usage=USAGE) + "data: [DONE]\n\n"
+        route.fulfill(status=200, headers={"Content-Type": "text/event-stream"}, body=body)
+
+    page = tab.page
+    _images_for(page)
+    page.route("**/v1/chat/completions", reply)
+    tab.sign_in()
+    attach = page.get_by_role("button", name="Attach image")
+    attach.wait_for()
+    red, green, blue = _png(6, 4, (255, 0, 0)), _png(3, 5, (0, 255, 0)), _png(2, 2, (0, 0, 255))
+    with page.expect_file_chooser() as chooser:
+        attach.click()
+    chooser.value.set_files([{"name": "red.png", "mimeType": "image/png", "buffer": red}])
+    thumbs = page.locator("#attachments img.thumb")
+    thumbs.nth(0).wait_for()
+    _give(page, "paste", ("green.png", "image/png", green))
+    thumbs.nth(1).wait_for()
+    _give(page, "drop", ("blue.png", "image/png", blue), ("extra.png", "image/png", blue))
+    thumbs.nth(3).wait_for()
+    page.get_by_role("button", name="Remove extra.png").click()  # changed my mind
+    assert thumbs.count() == 3
+    # Rendered, not broken: each decoded to its pixel size (the policy let data: in).
+    sizes = thumbs.evaluate_all("(imgs) => imgs.map((i) => [i.naturalWidth, i.naturalHeight])")
+    assert sizes == [[6, 4], [3, 5], [2, 2]]
+    assert thumbs.evaluate_all("(imgs) => imgs.map((i) => i.alt)") == [
+        "red.png",
+        "green.png",
+        "blue.png",
+    ]
+    tab.shot("images-attached")
+    tab.send("What colour is it?")
+    tab.finished()
+    url = "data:image/png;base64,{}".format
+    parts = [
+        {"type": "image_url", "image_url": {"url": url(base64.b64encode(b).decode())}}
+        for b in (red, green, blue)
+    ]
+    user = {"role": "user", "content": [{"type": "text", "text": "What colour is it?"}, *parts]}
+    assert bodies[0]["messages"] == [user]
+    # Sent: the composer is empty again, and the message shows the images it carried.
+    assert thumbs.count() == 0
+    shown = page.locator("article.user img.thumb")
+    assert shown.evaluate_all("(imgs) => imgs.map((i) => i.naturalWidth)") == [6, 3, 2]
+    assert page.locator("article.user .text").inner_text() == "What colour is it?"
+    tab.shot("images-sent")
+    # An image alone is a message too; the first turn's images stay in the history.
+    _give(page, "paste", ("green.png", "image/png", green))
+    thumbs.nth(0).wait_for()
+    page.get_by_role("button", name="Send").click()
+    tab.finished()
+    second = bodies[1]["messages"]
+    assert second[0] == user
+    assert second[1] == {"role": "assistant", "content": "A red square."}
+    assert second[2] == {"role": "user", "content": [parts[1]]}
+
+
+def test_images_the_page_refuses(tab: Tab, server: LiveServer) -> None:
+    """Checked in the page before anything is sent, each with a visible message: a
+    file over the server's limit per image, a file that is not an image it decodes,
+    and any image for a model whose card does not list images (no button either)."""
+    page = tab.page
+    requests: list[str] = []
+    page.on("request", lambda r: requests.append(r.url) if "chat/completions" in r.url else None)
+    cards = httpx.get(server.base_url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"})
+    names = [card["id"] for card in cards.json()["data"]]
+    _images_for(page, {names[0]})  # the first name (the page's pick) takes images
+    tab.sign_in()
+    attach = page.get_by_role("button", name="Attach image")
+    attach.wait_for()
+    status = page.get_by_role("status")
+    # One byte over 20 MiB, made in the page (no need to move 20 MiB through the driver).
+    page.evaluate(
+        """() => {
+        const dt = new DataTransfer();
+        dt.items.add(new File([new Uint8Array(20 * 1048576 + 1)], 'big.png', {type: 'image/png'}));
+        document.getElementById('composer').dispatchEvent(
+          new DragEvent('drop', {bubbles: true, cancelable: true, dataTransfer: dt}));
+    }"""
+    )
+    assert status.inner_text() == (
+        "big.png is 20.0 MiB, over the server's limit of 20.0 MiB per image."
+    )
+    assert "error" in (status.get_attribute("class") or "")
+    _give(page, "drop", ("notes.txt", "text/plain", b"hello"))
+    assert status.inner_text() == "notes.txt: not a PNG, JPEG, WebP or GIF image."
+    assert page.locator("#attachments img").count() == 0
+    tab.shot("image-refused")
+    # The other names' cards do not list images: the button goes, a paste is refused.
+    page.locator("#model").select_option(names[1])
+    assert attach.is_hidden()
+    _give(page, "paste", ("red.png", "image/png", _png(2, 2, (255, 0, 0))))
+    assert status.inner_text() == f"{names[1]} does not take images."
+    assert page.locator("#attachments img").count() == 0
+    assert requests == []
