@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Literal
 if TYPE_CHECKING:
     import torch
 
+    from engine.spec_decode.config import SpeculativeConfig
+
 # The names of the torch dtypes. float64: exact comparisons (tests): FP4 rounding and
 # top-k ties then never depend on GEMM shapes, so two processes that chunk a prompt
 # differently agree bit for bit.
@@ -103,6 +105,17 @@ class EngineConfig:
     seed: int = field(
         default=0,
         metadata={"help": "tiny model weights and the sampling RNG (default %(default)s)"},
+    )
+    # Speculative decoding (docs/design/engine.md, "How a verify step runs and rolls
+    # back"): vLLM's JSON, parsed by engine.spec_decode.config.SpeculativeConfig.
+    speculative_config: str | None = field(
+        default=None,
+        metadata={
+            "help": "speculative decoding as vLLM's JSON, e.g. "
+            '\'{"method": "ngram", "num_speculative_tokens": 3}\' (methods: ngram, dspark; '
+            "max_batch_size: above this many running sequences a step decodes plainly); "
+            "default: off"
+        },
     )
     # Parallel serving (docs/design/parallelism.md, "Workers"): T x D ranks, one
     # worker process each; the scheduler stays in the engine core. Under torchrun the
@@ -272,6 +285,13 @@ class EngineConfig:
             raise ValueError("expert parallelism needs more than one rank")
         if self.nnodes > 1 and self.master_port == 0:
             raise ValueError("several nodes need a --master-port they all know")
+        if self.speculative_config is not None:
+            self.speculative()  # a malformed JSON fails at start, not at the first step
+            if self.world_size > 1:
+                raise ValueError(
+                    "--speculative-config is served by one process only for now: drop "
+                    "--tensor-parallel-size / --data-parallel-size or the speculative config"
+                )
 
     @property
     def world_size(self) -> int:
@@ -285,6 +305,14 @@ class EngineConfig:
 
         dtype: torch.dtype = getattr(torch, self.dtype)
         return dtype
+
+    def speculative(self) -> SpeculativeConfig | None:
+        """``speculative_config`` parsed (None: speculation off)."""
+        if self.speculative_config is None:
+            return None
+        from engine.spec_decode.config import SpeculativeConfig
+
+        return SpeculativeConfig.parse(self.speculative_config)
 
     def replay_window(self, sliding_window: int) -> int:
         """W: the configured replay window, or the model's sliding window."""

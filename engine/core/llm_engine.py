@@ -31,10 +31,12 @@ from engine.config import EngineConfig
 from engine.core.detokenizer import IncrementalDetokenizer, check_stop_token
 from engine.core.scheduler import Scheduler
 from engine.core.sequence import Sequence, SequenceStatus
+from engine.core.speculation import make_speculator
 from engine.core.step import ModelRunner, StepBatch
 from engine.model.deepseek_v41.config import ModelConfig
 from engine.model.deepseek_v41.vision.config import image_token_id, vision_config
 from engine.sample.sampler import Sampler, SeqHistory, make_generator
+from engine.spec_decode.proposer import Proposer
 from engine.structured_output.backend import GrammarBackend, GrammarJob, TokenMaskProvider
 from engine.structured_output.xgrammar_backend import GrammarLimits, StructuredOutputManager
 from kvstore.manager import KVManager
@@ -126,6 +128,7 @@ class LLMEngine:
         clock: Callable[[], float] = time.monotonic,
         encoder_only: bool = False,
         grammars: GrammarBackend | None = None,
+        proposer: Proposer | None = None,
     ) -> None:
         # Special tokens, vocabulary and context come from the model's config; tests
         # with a model-free runner may narrow the vocabulary or the context.
@@ -145,9 +148,13 @@ class LLMEngine:
         self.vision = vision_config(model_config)
         self.image_token_id = image_token_id(model_config) if self.vision else None
         self.replay_tokens = config.replay_window(model_config.sliding_window)
-        self.scheduler = Scheduler(
-            config, kv, model_config, self.replay_tokens, runner.release, clock
-        )
+
+        def release(seq: Sequence) -> None:
+            runner.release(seq)
+            if self.speculator is not None:
+                self.speculator.release(seq)
+
+        self.scheduler = Scheduler(config, kv, model_config, self.replay_tokens, release, clock)
         self.sampler = Sampler(eos_token_id)
         # Structured output: specs compile in the backend's threads, with this engine's
         # tokenizer; a request waits (unscheduled) in ``_awaiting`` until its grammar is.
@@ -166,6 +173,16 @@ class LLMEngine:
         self.grammars = grammars
         self._awaiting: dict[str, GrammarJob] = {}
         self.counters = EngineCounters()
+        # Speculative decoding (engine/core/speculation.py); None: off.
+        self.speculator = make_speculator(
+            config.speculative(),
+            proposer,
+            runner,
+            self.scheduler,
+            model_config,
+            self.max_model_len,
+            self.counters,
+        )
         self._clock = clock
         self._requests: dict[str, _RequestState] = {}
         self._seq_ids = itertools.count()
@@ -353,9 +370,15 @@ class LLMEngine:
             if self._awaiting and not outputs:
                 self._wait_for_grammars()
             return outputs
+        if self.speculator is not None and batch.decodes:
+            self.speculator.draft(batch, self._max_tokens)
         t0 = time.perf_counter()
         logits = self.runner.execute(batch)
         self.counters.execute_seconds += time.perf_counter() - t0
+        if batch.drafts:  # off the token lists again: what is kept is sampled below
+            for seq in batch.decodes:
+                if k := batch.num_drafts(seq):
+                    del seq.token_ids[-k:]
         take = getattr(self.runner, "take_prompt_logprobs", None)
         if take is not None:
             prefilled = {c.seq.seq_id: c.seq for c in batch.prefills}
@@ -368,6 +391,8 @@ class LLMEngine:
         for chunk in batch.prefills:
             chunk.seq.num_computed = chunk.end
         for seq in batch.decodes:
+            # (Drafts are off the list already: a verify step's kept rows are known
+            # after sampling; until then only the row before its drafts counts.)
             seq.num_computed = seq.num_tokens
         for seq in batch.prefilled():
             self._commit(seq)
@@ -375,7 +400,9 @@ class LLMEngine:
             self.scheduler.finish(seq)
             outputs.append(self._finish_prefill(seq, published))
         sampled = batch.sampled()
-        failures = self._sample_and_append(sampled, logits) if sampled else {}
+        failures = self._sample_and_append(sampled, logits, batch.drafts) if sampled else {}
+        if self.speculator is not None:
+            self.speculator.keep_hidden(batch)
         touched: dict[str, _RequestState] = {}
         for seq in sampled:
             if seq.request_id in failures:
@@ -417,37 +444,74 @@ class LLMEngine:
         return out
 
     def _sample_and_append(
-        self, seqs: list[Sequence], logits: dict[int, torch.Tensor]
+        self,
+        seqs: list[Sequence],
+        logits: dict[int, torch.Tensor],
+        drafts: dict[int, list[int]],
     ) -> dict[str, BaseException]:
-        """Sample and append one token per sequence; returns the requests that failed
-        (by request id), whose sequences the caller must not commit or report."""
+        """Sample and append each sequence's tokens; returns the requests that failed
+        (by request id), whose sequences the caller must not commit or report.
+
+        A plain sequence gets one token. A sequence verifying drafts samples its rows
+        in order, row ``j`` exactly as a plain step would after the tokens appended so
+        far (its penalties' history and its grammar as of draft ``j - 1``), and goes on
+        while the sample equals draft ``j`` and nothing stopped it: one sample per
+        committed token, so seeded streams equal the plain ones
+        (engine/spec_decode/proposer.py). Rejected drafts never reach the grammar.
+        """
         choices = [self._choice(s) for s in seqs]
         params = [self._requests[s.request_id].request.sampling_params for s in seqs]
-        histories = [SeqHistory(s.prompt_view, s.output_view) for s in seqs]
-        out = self.sampler.sample(
-            torch.stack([logits[s.seq_id] for s in seqs]),
-            params,
-            histories,
-            [c.generator for c in choices],
-            [c.grammar for c in choices],
-        )
-        tokens = out.token_ids.tolist()
-        chosen = out.logprobs.tolist() if out.logprobs is not None else []
+        failures: dict[str, BaseException] = {}
+        accepted = [0] * len(seqs)
+        active = list(range(len(seqs)))
+        row = 0  # of each verify chunk's logits
         now = self._clock()
-        failures = {seqs[row].request_id: exc for row, exc in out.errors.items()}
-        for row, (choice, p) in enumerate(zip(choices, params, strict=True)):
-            rid = seqs[row].request_id
-            if rid in failures:
+        while active:
+            rows = [logits[seqs[i].seq_id] for i in active]
+            out = self.sampler.sample(
+                torch.stack([r[row] if r.dim() == 2 else r for r in rows]),
+                [params[i] for i in active],
+                [SeqHistory(seqs[i].prompt_view, seqs[i].output_view) for i in active],
+                [choices[i].generator for i in active],
+                [choices[i].grammar for i in active],
+            )
+            tokens = out.token_ids.tolist()
+            chosen = out.logprobs.tolist() if out.logprobs is not None else []
+            for r, exc in out.errors.items():
+                failures.setdefault(seqs[active[r]].request_id, exc)
+            going_on = []
+            for r, i in enumerate(active):
+                seq, p = seqs[i], params[i]
+                if seq.request_id in failures:
+                    continue
+                logprob = None
+                if p.logprobs is not None:
+                    top = out.top_logprobs[r] if out.top_logprobs is not None else []
+                    logprob = TokenLogprob(tokens[r], chosen[r], top)
+                try:
+                    self._append(choices[i], p, tokens[r], logprob, now)
+                except Exception as exc:  # this request's grammar / stop handling
+                    failures[seq.request_id] = exc
+                    continue
+                self.counters.generation_tokens += 1
+                drafted = drafts.get(seq.seq_id, [])
+                if row < len(drafted) and tokens[r] == drafted[row] and not seq.finish_reason:
+                    accepted[i] += 1
+                    going_on.append(i)
+            active, row = going_on, row + 1
+        for i, seq in enumerate(seqs):
+            draft = drafts.get(seq.seq_id)
+            if draft is None or seq.request_id in failures:
                 continue
-            logprob = None
-            if p.logprobs is not None:
-                top = out.top_logprobs[row] if out.top_logprobs is not None else []
-                logprob = TokenLogprob(tokens[row], chosen[row], top)
-            try:
-                self._append(choice, p, tokens[row], logprob, now)
-            except Exception as exc:  # this request's grammar / stop handling, not the engine
-                failures[rid] = exc
+            assert self.speculator is not None
+            self.speculator.count(len(draft), accepted[i])
+            # Rows run and kept: the last token before the drafts and the accepted
+            # drafts; the token sampled last runs next step, as after a plain decode.
+            seq.num_computed = seq.num_tokens - 1
         return failures
+
+    def _max_tokens(self, seq: Sequence) -> int:
+        return self._requests[seq.request_id].request.sampling_params.max_tokens
 
     def _append(
         self,
@@ -573,9 +637,8 @@ class LLMEngine:
     def _count_step(self, batch: StepBatch) -> None:
         c = self.counters
         c.steps += 1
-        c.decode_rows += len(batch.decodes)
+        c.decode_rows += len(batch.decodes) + sum(len(d) for d in batch.drafts.values())
         c.prefill_rows += sum(chunk.num_tokens for chunk in batch.prefills)
-        c.generation_tokens += len(batch.sampled())
 
     def _count_finished(self, state: _RequestState) -> None:
         c = self.counters

@@ -19,6 +19,13 @@ Contract of ``execute`` (docs/design/engine.md):
   page was already cached): then nothing runs.
 - decode ``seq``: run row ``seq.num_tokens - 1`` (the token sampled last step)
   through every layer, write its KV, return its logits.
+- verify ``seq`` (a decode with ``k = len(batch.drafts[seq.seq_id])`` drafts,
+  already appended to ``seq.token_ids``): run rows ``[num_tokens - 1 - k,
+  num_tokens)`` through every layer and return the logits of all of them,
+  ``[k + 1, vocab]``. Rows the engine does not accept must leave no trace: when
+  the sequence next runs, ``seq.num_computed`` says how many rows were kept, and
+  the runner restores whatever state a dropped row overwrote (docs/design/engine.md,
+  "How a verify step runs and rolls back").
 - ``seq.block_table`` already covers every row the step writes. The runner
   does not move ``seq.num_computed``: the engine does, after ``execute``.
 - Pages below ``stored_tokens`` and pages already committed are read only.
@@ -54,11 +61,20 @@ class StepBatch:
 
     prefills: list[PrefillChunk] = field(default_factory=list)
     decodes: list[Sequence] = field(default_factory=list)
+    # seq_id -> the draft tokens a decode verifies this step (speculative decoding);
+    # they are the last tokens of its ``token_ids`` until the engine accepts or drops them.
+    drafts: dict[int, list[int]] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
-        """Rows charged to the step's token budget (encoder rows of chunks, one per decode)."""
-        return len(self.decodes) + sum(c.num_tokens for c in self.prefills)
+        """Rows charged to the step's token budget (encoder rows of chunks, one per
+        decode, plus its drafts)."""
+        drafted = sum(len(d) for d in self.drafts.values())
+        return len(self.decodes) + drafted + sum(c.num_tokens for c in self.prefills)
+
+    def num_drafts(self, seq: Sequence) -> int:
+        """Draft rows ``seq`` verifies this step (0: a plain decode or a prefill)."""
+        return len(self.drafts.get(seq.seq_id, ()))
 
     def __bool__(self) -> bool:
         return bool(self.prefills or self.decodes)
@@ -74,7 +90,8 @@ class StepBatch:
 
 class ModelRunner(Protocol):
     def execute(self, batch: StepBatch) -> dict[int, torch.Tensor]:
-        """``seq_id -> next-token logits [vocab]`` (fp32) for every decode and last chunk."""
+        """``seq_id -> next-token logits [vocab]`` (fp32) for every decode and last chunk;
+        ``[k + 1, vocab]`` for a decode verifying ``k`` drafts."""
         ...
 
     def release(self, seq: Sequence) -> None:

@@ -122,6 +122,12 @@ def engine_for_model(
             graphs,
             encoder_cache_bytes=config.encoder_cache_bytes,
         )
+    spec = config.speculative()
+    proposer = None
+    if spec is not None:
+        from engine.spec_decode.build import build_proposer
+
+        proposer = build_proposer(spec, model)
     return _warmed(
         LLMEngine(
             config,
@@ -131,6 +137,7 @@ def engine_for_model(
             tokenizer=tokenizer,
             eos_token_id=eos_token_id,
             encoder_only=model.encoder_only,
+            proposer=proposer,
         )
     )
 

@@ -8,7 +8,11 @@ model's one forward (``CausalLM.forward``) over the paged KV backend
 - a prefill chunk's rows go through each layer from the plan's start of that
   layer on (the encoder and layer B's KV writes on every row of a cold
   prefill, the decoder on the last W rows; a restore's triangle of replay);
-- a decode row is a chunk of one row that runs every layer.
+- a decode row is a chunk of one row that runs every layer;
+- a verify chunk (a decode row and its ``k`` drafts) is a chunk of ``k + 1`` rows
+  that runs every layer and returns the logits of each; the rows the engine then
+  drops are undone in the request state before the sequence runs again
+  (engine/runner/verify_undo.py). Verify steps run eagerly, never in a CUDA graph.
 
 The dense oracle is the same forward over ``engine/model/kv/dense_backend.py``;
 the engine tests hold the two together.
@@ -31,8 +35,10 @@ from engine.core.sequence import Sequence
 from engine.core.step import StepBatch
 from engine.model.base import CausalLM
 from engine.runner.cuda_graphs import DecodeGraphs
+from engine.runner.hidden_capture import HiddenCapture
 from engine.runner.image_rows import encoder_cache_for, image_embeds
 from engine.runner.paged_backend import PagedKV, Segment
+from engine.runner.verify_undo import VerifyUndo
 from engine.sample.prompt_scores import score_rows
 from kvstore.device.device_pool import DevicePool
 from kvstore.request_state import RequestStateLayout, RequestStatePool
@@ -72,9 +78,26 @@ class PagedModelRunner:
         )
         self.pages = {l: device_pages.source(l) for l in config.kv_source_layer_ids}
         self._has_state: set[int] = set()
+        # seq_id -> the state its last verify chunk overwrote, until it runs again.
+        self._undo: dict[int, VerifyUndo] = {}
         self._prompt_scores: dict[int, list[TokenLogprob]] = {}
+        self._hidden: HiddenCapture | None = None
+
+    def capture_hidden(self, layers: tuple[int, ...]) -> None:
+        """Keep the inputs of ``layers`` for a drafter (``take_hidden``); steps then run
+        eagerly (a captured graph replays no hook)."""
+        self._hidden = HiddenCapture(self.model, layers)
+
+    def take_hidden(self) -> dict[int, dict[int, tuple[int, torch.Tensor]]]:
+        """seq_id -> layer -> (first position, its input rows) of the last step."""
+        return self._hidden.take() if self._hidden is not None else {}
+
+    def close(self) -> None:
+        if self._hidden is not None:
+            self._hidden.close()
 
     def release(self, seq: Sequence) -> None:
+        self._undo.pop(seq.seq_id, None)
         self.encoder_cache.release(seq.seq_id)
         if seq.seq_id in self._has_state:
             self._has_state.discard(seq.seq_id)
@@ -82,7 +105,11 @@ class PagedModelRunner:
 
     @torch.no_grad()
     def execute(self, batch: StepBatch) -> dict[int, torch.Tensor]:
-        segments = [Segment(s, s.num_tokens - 1, s.num_tokens, True) for s in batch.decodes]
+        segments = [
+            Segment(s, s.num_tokens - 1 - k, s.num_tokens, True, verify=k > 0)
+            for s in batch.decodes
+            for k in (batch.num_drafts(s),)
+        ]
         segments += [
             Segment(c.seq, c.start, c.end, c.last and not c.seq.prefill_only)
             for c in batch.prefills
@@ -96,6 +123,9 @@ class PagedModelRunner:
             if seg.seq.seq_id not in self._has_state:
                 self.states.allocate(seg.seq.seq_id)
                 self._has_state.add(seg.seq.seq_id)
+            undo = self._undo.pop(seg.seq.seq_id, None)
+            if undo is not None:  # drop what the rows the engine rejected left behind
+                undo.rollback(self.states, seg.seq.seq_id, seg.seq.num_computed)
         kv = PagedKV(
             segments,
             self.pages,
@@ -109,6 +139,8 @@ class PagedModelRunner:
         if (
             graphs is not None
             and len(segments) == len(batch.decodes)
+            and not batch.drafts  # verify chunks run eagerly
+            and self._hidden is None
             and graphs.fits(len(segments))
         ):
             # A decode-only step in a captured bucket: a decode row is never inside a
@@ -119,6 +151,7 @@ class PagedModelRunner:
                 self.model, self.encoder_cache, [(s.seq, s.start, s.end) for s in segments]
             )
             logits = self.model(kv.input_ids(), kv, image_embeds=embeds)
+        self._undo.update(kv.undo)
         out: dict[int, torch.Tensor] = {}
         for seg, first, count in kv.logit_segments():
             rows = logits[first : first + count]
@@ -128,7 +161,9 @@ class PagedModelRunner:
                 assert seq.prompt_logprobs is not None
                 scores = score_rows(rows, list(targets), seq.prompt_logprobs)
                 self._prompt_scores.setdefault(seq.seq_id, []).extend(scores)
-            if seg.wants_logits:
+            if seg.verify:
+                out[seg.seq.seq_id] = rows
+            elif seg.wants_logits:
                 out[seg.seq.seq_id] = rows[-1]
         return out
 

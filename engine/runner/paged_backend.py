@@ -17,6 +17,7 @@ import torch
 
 from engine.core.sequence import Sequence
 from engine.model.deepseek_v41.candidates import visible_entries
+from engine.runner.verify_undo import VerifyUndo
 from kernels.indexer_ops import indexer_scores, indexer_scores_at
 from kernels.kv_cache_ops import store_kv_entries
 from kernels.kv_formats import dequantize_swa, quantize_swa
@@ -27,13 +28,15 @@ from kvstore.request_state import RequestStatePool
 
 @dataclass(slots=True)
 class Segment:
-    """Rows ``[start, end)`` of one sequence in flight, at ``offset`` in the row batch."""
+    """Rows ``[start, end)`` of one sequence in flight, at ``offset`` in the row batch;
+    ``verify``: a decode row and its drafts (logits of every row, undo of its state)."""
 
     seq: Sequence
     start: int
     end: int
     wants_logits: bool
     offset: int = 0
+    verify: bool = False
 
     @property
     def rows(self) -> int:
@@ -82,6 +85,8 @@ class PagedKV:
         self._swa: tuple[torch.Tensor, torch.Tensor] | None = None  # this layer's windows
         self._group_pages: torch.Tensor | None = None  # pages of the entries being stored
         self._may_cut = self._any_below(lambda s: s.seq.layer_starts[-1])
+        # seq_id -> what this step's verify chunks overwrote (engine/runner/verify_undo.py).
+        self.undo = {s.seq.seq_id: VerifyUndo(s.start, s.end) for s in segments if s.verify}
 
     def input_ids(self) -> torch.Tensor:
         return torch.cat([self._ids(s, s.start) for s in self.segments])
@@ -108,7 +113,7 @@ class PagedKV:
             first = min(max(seg.start, seg.seq.layer_starts[layer_id + 1]), seg.end)
             if first < seg.end:
                 keep.append(torch.arange(seg.offset + first - seg.start, seg.offset + seg.rows))
-                kept.append(Segment(seg.seq, first, seg.end, seg.wants_logits))
+                kept.append(Segment(seg.seq, first, seg.end, seg.wants_logits, verify=seg.verify))
         relayout(kept)
         self.segments = kept
         rows = (torch.cat(keep) if keep else torch.zeros(0, dtype=torch.long)).to(self.device)
@@ -133,10 +138,10 @@ class PagedKV:
 
     def logit_rows(self) -> torch.Tensor | None:
         """The last row of each segment that wants logits, and every row of a prefill
-        chunk that scores its prompt (see ``logit_segments``)."""
+        chunk that scores its prompt or of a verify chunk (see ``logit_segments``)."""
         rows: list[int] = []
         for s in self.segments:
-            if s.seq.scores_prompt:
+            if s.seq.scores_prompt or s.verify:
                 rows.extend(range(s.offset, s.offset + s.rows))
             elif s.wants_logits:
                 rows.append(s.offset + s.rows - 1)
@@ -146,7 +151,7 @@ class PagedKV:
         """(segment, first, count) of ``logit_rows``' output, segment by segment."""
         out, first = [], 0
         for s in self.segments:
-            count = s.rows if s.seq.scores_prompt else int(s.wants_logits)
+            count = s.rows if s.seq.scores_prompt or s.verify else int(s.wants_logits)
             if count:
                 out.append((s, first, count))
                 first += count
@@ -186,6 +191,9 @@ class PagedKV:
             keys[seg.offset : seg.offset + seg.rows] = buf[idx]
             valid[seg.offset : seg.offset + seg.rows] = ok
             tail = min(seg.rows, W)
+            undo = self.undo.get(seg.seq.seq_id)
+            if undo is not None:  # a verify chunk: W > k, so each row has a slot of its own
+                undo.swa[layer_id] = ring[rows_pos % W].clone()
             ring[rows_pos[-tail:] % W] = records[
                 seg.offset + seg.rows - tail : seg.offset + seg.rows
             ]
@@ -248,6 +256,9 @@ class PagedKV:
                 if lo % ratio:  # the open group began in an earlier step
                     first = lo - lo % ratio
                     rows = torch.cat([state[: lo % ratio], rows])
+                undo = self.undo.get(seq.seq_id)
+                if undo is not None:
+                    undo.groups[self.pending_index[layer_id]] = (ratio, first, rows.clone())
                 open_rows = (seg.end - first) % ratio
                 if open_rows:
                     state[:open_rows] = rows[rows.shape[0] - open_rows :]

@@ -6,8 +6,11 @@ is read from the sequence's pages (dequantised from their bytes); entries the
 pass completes for the first time are quantised into its pages. So prefix
 hits, preemption resumes and SSD restores after a restart all go through the
 same bytes the paged runner uses. Non-final prefill chunks do nothing: the
-last chunk recomputes everything. Slow and obviously correct: the engine
-tests' oracle path and ``--runner reference``.
+last chunk recomputes everything. A verify step (a decode with ``k`` drafts)
+is the same forward over the drafts too, keeping the logits of its last
+``k + 1`` rows; entries its dropped rows completed are written again from
+``num_computed`` on the next step (pages past it are never committed). Slow
+and obviously correct: the engine tests' oracle path and ``--runner reference``.
 """
 
 from __future__ import annotations
@@ -67,16 +70,19 @@ class ReferenceRunner:
     def execute(self, batch: StepBatch) -> dict[int, torch.Tensor]:
         out: dict[int, torch.Tensor] = {}
         for seq in batch.decodes:
-            logits = self._run(seq, seq.num_tokens)
+            # Rows past num_computed that an earlier verify step wrote were dropped.
+            if seq.seq_id in self._written:
+                self._written[seq.seq_id] = min(self._written[seq.seq_id], seq.num_computed)
+            logits = self._run(seq, seq.num_tokens, 1 + batch.num_drafts(seq))
             assert logits is not None, "a decode row runs every layer"
-            out[seq.seq_id] = logits
+            out[seq.seq_id] = logits if batch.num_drafts(seq) else logits[0]
         for chunk in batch.prefills:
             seq = chunk.seq
             if not chunk.last or chunk.end <= seq.stored_tokens:
                 continue  # earlier chunks only mark progress; a full hit has nothing to run
             logits = self._run(seq, chunk.end)
             if logits is not None and not seq.prefill_only:
-                out[seq.seq_id] = logits
+                out[seq.seq_id] = logits[0]
         return out
 
     def release(self, seq: Sequence) -> None:
@@ -84,9 +90,10 @@ class ReferenceRunner:
         self.encoder_cache.release(seq.seq_id)
 
     # ------------------------------------------------------------ internals
-    def _run(self, seq: Sequence, n: int) -> torch.Tensor | None:
-        """Logits of row ``n - 1`` under ``seq``'s plan (None for a prefill-only plan,
-        which runs no row past layer B); new global KV into its pages."""
+    def _run(self, seq: Sequence, n: int, rows: int = 1) -> torch.Tensor | None:
+        """Logits ``[rows, vocab]`` of rows ``[n - rows, n)`` under ``seq``'s plan (None
+        for a prefill-only plan, which runs no row past layer B); new global KV into
+        its pages."""
         H = seq.stored_tokens
         plan = ReplayPlan(H, seq.layer_starts)
         stored = self._read(seq, H) if H else None
@@ -106,7 +113,7 @@ class ReferenceRunner:
             self._prompt_scores[seq.seq_id] = score_rows(
                 result.logits, targets, seq.prompt_logprobs
             )
-        return result.logits[-1].float() if result.logits.shape[0] else None
+        return result.logits[-rows:].float() if result.logits.shape[0] else None
 
     def take_prompt_logprobs(self) -> dict[int, list[TokenLogprob]]:
         """Prompt-token scores computed since the last call, by sequence."""

@@ -60,6 +60,8 @@ OPTIONS = " ".join(
         # Added since: images through the APIs (README "Images").
         "--allowed-media-domains --limit-mm-per-prompt --max-image-bytes",
         "--max-image-pixels --media-fetch-timeout",
+        # Speculative decoding (docs/design/engine.md).
+        "--speculative-config",
     )
 ).split()
 
@@ -96,6 +98,7 @@ ENGINE_DEFAULTS = {
     "encoder_cache_bytes": 256 << 20,
     "grammar_workers": 2,
     "max_grammar_bytes": 64 << 20,
+    "speculative_config": None,
 }
 
 SERVER_DEFAULTS = {
@@ -248,6 +251,8 @@ def test_engine_flags() -> None:
     }
     with pytest.raises(SystemExit):
         _args("--dtype", "int8")
+    spec = '{"method": "ngram", "num_speculative_tokens": 3}'
+    assert _engine("--speculative-config", spec)["speculative_config"] == spec
 
 
 def test_parallel_flags() -> None:

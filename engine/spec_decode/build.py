@@ -1,0 +1,32 @@
+"""The proposer ``--speculative-config`` names, built once at engine start."""
+
+from __future__ import annotations
+
+from engine.model.base import CausalLM
+from engine.spec_decode.config import SpeculativeConfig
+from engine.spec_decode.proposer import Proposer
+
+# The release names its drafter's tensors mtp.*; a model built without them has none.
+NO_DRAFTER = "this checkpoint has no DSpark drafter (mtp.*)"
+
+
+def build_proposer(spec: SpeculativeConfig, model: CausalLM) -> Proposer:
+    """``ngram``: prompt lookup over the sequence's own tokens; ``dspark``: the
+    checkpoint's drafter, which ``model`` must carry. Imported here, on demand: each
+    proposer's module pulls in only what its method needs."""
+    if spec.method == "ngram":
+        from engine.spec_decode.ngram import NgramProposer
+
+        return NgramProposer(spec)
+    if spec.method == "dspark":
+        if not has_drafter(model):
+            raise ValueError(NO_DRAFTER)
+        from engine.spec_decode.dspark_proposer import DSparkProposer
+
+        return DSparkProposer(model, spec)
+    raise ValueError(f"unknown speculative method {spec.method!r}")
+
+
+def has_drafter(model: CausalLM) -> bool:
+    """Whether ``model`` holds DSpark blocks (a ``drafter`` module, loaded from mtp.*)."""
+    return getattr(model, "drafter", None) is not None
