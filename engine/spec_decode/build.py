@@ -28,5 +28,5 @@ def build_proposer(spec: SpeculativeConfig, model: CausalLM) -> Proposer:
 
 
 def has_drafter(model: CausalLM) -> bool:
-    """Whether ``model`` holds DSpark blocks (a ``drafter`` module, loaded from mtp.*)."""
-    return getattr(model, "drafter", None) is not None
+    """Whether ``model`` holds DSpark blocks (its ``dspark`` drafter, loaded from mtp.*)."""
+    return getattr(model, "dspark", None) is not None

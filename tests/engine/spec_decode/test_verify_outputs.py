@@ -4,6 +4,9 @@ trip to the API process."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+from typing import cast
+
 import pytest
 import torch
 from engine_helpers import TINY, greedy, prompt, run_to_completion, token_stream
@@ -15,8 +18,10 @@ from engine.api.sampling_params import SamplingParams, StructuredOutputSpec
 from engine.config import EngineConfig
 from engine.core.llm_engine import EngineCounters, EngineStats
 from engine.loader.tokenizer import load_tokenizer
+from engine.model.base import CausalLM
 from engine.spec_decode.build import NO_DRAFTER, build_proposer
 from engine.spec_decode.config import SpeculativeConfig
+from engine.spec_decode.dspark_proposer import DSparkProposer
 from kvstore.stats import KVStats
 
 PROMPT = prompt(19, 21)
@@ -152,8 +157,12 @@ def test_the_flag_parses_and_refuses_what_cannot_run():
 
 
 def test_a_checkpoint_without_a_drafter_is_refused(engine_model):
+    spec = SpeculativeConfig("dspark", 3)
+    assert engine_model.dspark is not None  # the tiny model carries a random drafter
+    assert isinstance(build_proposer(spec, engine_model), DSparkProposer)
+    text_only = cast(CausalLM, SimpleNamespace(dspark=None))
     with pytest.raises(ValueError, match=r"no DSpark drafter \(mtp\.\*\)"):
-        build_proposer(SpeculativeConfig("dspark", 3), engine_model)
+        build_proposer(spec, text_only)
     assert NO_DRAFTER == "this checkpoint has no DSpark drafter (mtp.*)"
 
 
