@@ -121,7 +121,10 @@ def run(engine, prompts: list[list[int]], max_tokens: int) -> RunResult:
 
     while engine.has_unfinished_requests() and not all(tokens.values()):
         step()
-    before = dataclasses.replace(engine.counters)
+    # A copy: the engine may count per position in place in its list.
+    before = dataclasses.replace(
+        engine.counters, spec_accepted_per_pos=list(engine.counters.spec_accepted_per_pos)
+    )
     decoded, steps, t0 = 0, 0, time.perf_counter()
     while engine.has_unfinished_requests():
         decoded += step()
@@ -277,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
         prompts = [plain_engine.tokenizer.encode(t).ids for t in texts]
         plain = run(plain_engine, prompts, args.max_tokens)
         plain_engine.close()
+        if plain.counters["drafts"]:
+            raise SystemExit("the run without --speculative-config speculated (a default?)")
         row: dict[str, object] = {
             "batch": batch,
             "plain_tok_s": plain.tokens_per_s,
