@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from bench import spec_decode
+from engine.spec_decode.config import SpeculativeConfig
 
 
 def test_replay_of_greedy_verification_by_hand() -> None:
@@ -65,5 +66,7 @@ def test_arguments() -> None:
     args = spec_decode.parse_args([])
     assert (args.methods, args.k, args.batches) == (["ngram"], 4, [1, 8, 32])
     assert spec_decode.spec_json("dspark", 4) == '{"method": "dspark", "num_speculative_tokens": 4}'
+    paused = spec_decode.spec_json("ngram", 3, max_batch_size=16)
+    assert SpeculativeConfig.parse(paused) == SpeculativeConfig("ngram", 3, max_batch_size=16)
     with pytest.raises(SystemExit):
         spec_decode.parse_args(["--k", "0"])
