@@ -102,10 +102,27 @@ ENGINE_METRICS = (
         "counter",
         "OS errors writing SSD pages; the first one disables SSD writes until restart.",
     ),
+    # Speculative decoding (vLLM's spec_decode_* counters; all 0 without --speculative-config).
+    EngineMetric(
+        "spec_decode_num_drafts", "counter", "Drafts verified: one per sequence per verify step."
+    ),
+    EngineMetric("spec_decode_num_draft_tokens", "counter", "Draft tokens verified."),
+    EngineMetric("spec_decode_num_accepted_tokens", "counter", "Draft tokens accepted."),
+    EngineMetric(
+        "spec_decode_num_accepted_tokens_per_pos",
+        "counter",
+        "Drafts whose token at this position (0 = first) was accepted.",
+        "position",
+    ),
 )
 
-# The values every labelled series takes from the first scrape on.
-LABEL_VALUES: dict[str | None, tuple[str, ...]] = {"tier": TIERS, "finished_reason": FINISH_REASONS}
+# The values every labelled series takes from the first scrape on. ``position`` takes
+# 0 .. K-1 from the snapshot's per-position counts (K is the engine's, unknown here).
+LABEL_VALUES: dict[str | None, tuple[str, ...]] = {
+    "tier": TIERS,
+    "finished_reason": FINISH_REASONS,
+    "position": (),
+}
 
 # name -> {label value (None when the metric has no extra label): value}
 EngineValues = dict[str, dict[str | None, float]]
@@ -143,6 +160,12 @@ def engine_values(s: EngineStats | None) -> EngineValues:
         "preemptions": {None: s.preemptions},
         "kv_ssd_checksum_failures": {None: ssd.checksum_failures},
         "kv_ssd_write_errors": {None: ssd.write_errors},
+        "spec_decode_num_drafts": {None: c.spec_drafts},
+        "spec_decode_num_draft_tokens": {None: c.spec_draft_tokens},
+        "spec_decode_num_accepted_tokens": {None: c.spec_accepted_tokens},
+        "spec_decode_num_accepted_tokens_per_pos": {
+            str(j): n for j, n in enumerate(c.spec_accepted_per_pos)
+        },
     }
 
 

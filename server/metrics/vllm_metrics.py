@@ -38,6 +38,17 @@ COUNTERS = {  # without _total (prometheus_client appends it)
     "num_preemptions": ("preemptions", None),
     "prefix_cache_queries": ("prefix_cache_queries", "device"),
     "prefix_cache_hits": ("prefix_cache_hits", "device"),
+    "spec_decode_num_drafts": ("spec_decode_num_drafts", None),
+    "spec_decode_num_draft_tokens": ("spec_decode_num_draft_tokens", None),
+    "spec_decode_num_accepted_tokens": ("spec_decode_num_accepted_tokens", None),
+}
+# vLLM name -> flashserve engine metric, with its one extra label kept as it is.
+LABELLED_COUNTERS = {
+    "request_success": ("request_success", "finished_reason"),
+    "spec_decode_num_accepted_tokens_per_pos": (
+        "spec_decode_num_accepted_tokens_per_pos",
+        "position",
+    ),
 }
 # The histograms ServerMetrics observes twice, under both names.
 HISTOGRAMS = (
@@ -86,14 +97,13 @@ class VLLMAliasCollector(Collector):
             if values:
                 c.add_metric(m, values[source][label])
             yield c
-        success = CounterMetricFamily(
-            VLLM + "request_success",
-            "Alias of flashserve:request_success_total.",
-            labels=["model_name", "finished_reason"],
-        )
-        for reason, value in (values.get("request_success") or {}).items():
-            success.add_metric([*m, str(reason)], value)
-        yield success
+        for name, (source, label) in LABELLED_COUNTERS.items():
+            c = CounterMetricFamily(
+                VLLM + name, f"Alias of flashserve:{source}_total.", labels=["model_name", label]
+            )
+            for label_value, value in (values.get(source) or {}).items():
+                c.add_metric([*m, str(label_value)], value)
+            yield c
         # No LoRA adapters: the series says so (pickers require it to exist).
         lora = GaugeMetricFamily(
             VLLM + "lora_requests_info",

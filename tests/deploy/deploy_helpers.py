@@ -58,6 +58,10 @@ def exercised_scrape(role: Role = "both") -> str:
         prompt_cache_hit_tokens=192,
         replay_tokens=64,
         finished={"stop": 1, "length": 1, "abort": 1},
+        spec_drafts=2,
+        spec_draft_tokens=8,
+        spec_accepted_tokens=5,
+        spec_accepted_per_pos=[2, 2, 1, 0],
     )
     m.set_engine_stats(EngineStats(running=1, waiting=1, preemptions=1, kv=kv, counters=counters))
     disagg = m.disagg

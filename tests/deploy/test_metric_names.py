@@ -136,6 +136,30 @@ def test_dashboard_shows_disaggregated_serving() -> None:
     assert "rate(flashserve:disagg_published_bytes_total" in joined
 
 
+def test_dashboard_shows_speculative_decoding() -> None:
+    """Acceptance rate (accepted over draft tokens) and mean acceptance length
+    (1 + accepted over drafts), as rates, and acceptance by draft position."""
+    exprs = row_queries("Speculative decoding")
+    accepted = r"rate\(flashserve:spec_decode_num_accepted_tokens_total.*\) / "
+    assert any(
+        re.fullmatch(rf"sum .*{accepted}.*rate\(flashserve:spec_decode_num_draft_tokens_total.*", e)
+        for e in exprs
+    )
+    assert any(
+        re.fullmatch(rf"1 \+ sum .*{accepted}.*rate\(flashserve:spec_decode_num_drafts_total.*", e)
+        for e in exprs
+    )
+    assert any(
+        re.search(
+            r"sum by \([^)]*position[^)]*\) \("
+            r"rate\(flashserve:spec_decode_num_accepted_tokens_per_pos_total.*\) "
+            r"/ on \(model_name\) group_left .*spec_decode_num_drafts_total",
+            e,
+        )
+        for e in exprs
+    )
+
+
 @pytest.mark.parametrize("role", ROLES)
 def test_disaggregated_row_works_on_every_role(role: str) -> None:
     """Every role exposes the row's metrics, a router too, which has no engine metrics."""

@@ -49,6 +49,10 @@ COUNTERS = {
     "flashserve:disagg_published_bytes_total",
     "flashserve:cost_total",
     "flashserve:cost_saved_by_cache_total",
+    "flashserve:spec_decode_num_drafts_total",
+    "flashserve:spec_decode_num_draft_tokens_total",
+    "flashserve:spec_decode_num_accepted_tokens_total",
+    "flashserve:spec_decode_num_accepted_tokens_per_pos_total",
 }
 ENGINE_NAMES = {
     "flashserve:num_requests_running",
@@ -242,6 +246,52 @@ def test_engine_stats_map_to_gauges_and_counters() -> None:
     assert value(m, "flashserve:preemptions_total") == 6
     assert value(m, "flashserve:kv_ssd_checksum_failures_total") == 2
     assert value(m, "flashserve:kv_ssd_write_errors_total") == 1
+
+
+def spec_stats() -> EngineStats:
+    """Three verify steps of K = 3 drafts: 2, 0 and 3 accepted, plus one draft of 1
+    token (cut by max_tokens), accepted: 4 drafts, 10 draft tokens, 6 accepted."""
+    stats = engine_stats()
+    c = stats.counters
+    c.spec_drafts, c.spec_draft_tokens, c.spec_accepted_tokens = 4, 10, 6
+    # Position 0: drafts 1, 3, 4; position 1: drafts 1, 3; position 2: draft 3.
+    c.spec_accepted_per_pos = [3, 2, 1]
+    return stats
+
+
+def test_speculative_decoding_counters_by_both_names() -> None:
+    m = ServerMetrics(MODEL, vllm_aliases=True)
+    m.set_engine_stats(spec_stats())
+    for prefix in ("flashserve:", "vllm:"):
+        assert value(m, prefix + "spec_decode_num_drafts_total") == 4
+        assert value(m, prefix + "spec_decode_num_draft_tokens_total") == 10
+        assert value(m, prefix + "spec_decode_num_accepted_tokens_total") == 6
+        per_pos = {
+            dict(labels)["position"]: v
+            for (name, labels), v in samples(m).items()
+            if name == prefix + "spec_decode_num_accepted_tokens_per_pos_total"
+        }
+        assert per_pos == {"0": 3, "1": 2, "2": 1}
+    types = type_lines(m)
+    assert types["vllm:spec_decode_num_accepted_tokens_per_pos_total"] == "counter"
+    # The dashboard's two figures from these: acceptance rate and mean acceptance length.
+    assert value(m, "flashserve:spec_decode_num_accepted_tokens_total") / value(
+        m, "flashserve:spec_decode_num_draft_tokens_total"
+    ) == pytest.approx(0.6)
+    assert 1 + value(m, "flashserve:spec_decode_num_accepted_tokens_total") / value(
+        m, "flashserve:spec_decode_num_drafts_total"
+    ) == pytest.approx(2.5)
+
+
+def test_without_speculation_the_counters_are_zero_and_no_position_exists() -> None:
+    m = ServerMetrics(MODEL, vllm_aliases=True)
+    assert value(m, "flashserve:spec_decode_num_drafts_total") == 0  # before any snapshot
+    m.set_engine_stats(engine_stats())
+    assert value(m, "flashserve:spec_decode_num_drafts_total") == 0
+    assert value(m, "vllm:spec_decode_num_accepted_tokens_total") == 0
+    names = {name for name, _ in samples(m)}
+    assert "flashserve:spec_decode_num_accepted_tokens_per_pos_total" not in names
+    assert "vllm:spec_decode_num_accepted_tokens_per_pos_total" not in names
 
 
 def test_the_latest_snapshot_wins() -> None:
