@@ -1,0 +1,47 @@
+"""The DSpark proposer inside the engine: the tiny model's random drafter drafts every
+decode from the block inputs the paged runner captures, the verify step checks the
+drafts, and the output is the plain run's token for token (float64)."""
+
+from __future__ import annotations
+
+import json
+from itertools import pairwise
+
+from engine_helpers import greedy, prompt, run_to_completion, token_stream
+from spec_helpers import make_engine
+
+from engine.api.request import Request
+from engine.spec_decode.build import build_proposer
+from engine.spec_decode.config import SpeculativeConfig
+
+K = 3
+
+
+def test_the_tiny_drafter_drafts_every_step_and_changes_no_token(engine_model64):
+    model = engine_model64
+    spec = SpeculativeConfig("dspark", K)
+    proposer = build_proposer(spec, model)
+    assert proposer.hidden_layers == tuple(model.config.dspark_target_layer_ids)
+    flag = json.dumps({"method": "dspark", "num_speculative_tokens": K})
+    plain, _, _ = make_engine(model, "paged", prefill_chunk_tokens=16)
+    fast, recorder, _ = make_engine(
+        model, "paged", proposer, speculative_config=flag, prefill_chunk_tokens=16
+    )
+    prompts = {"a": prompt(37, 5), "b": prompt(20, 6)}
+    streams = []
+    for engine in (plain, fast):
+        for rid, ids in prompts.items():
+            engine.add_request(Request(rid, ids, greedy(10)))
+        outputs = run_to_completion(engine)
+        streams.append({rid: token_stream(outputs[rid]) for rid in prompts})
+    assert streams[0] == streams[1]
+    counters = fast.stats().counters
+    # Every decode after the first drafts (the drafter needs a committed row of context),
+    # K tokens unless the room left under max_tokens caps it.
+    assert counters.spec_drafts >= 2 * 8
+    assert counters.spec_drafts < counters.spec_draft_tokens <= K * counters.spec_drafts
+    assert 0 <= counters.spec_accepted_tokens <= counters.spec_draft_tokens
+    per_pos = counters.spec_accepted_per_pos
+    assert len(per_pos) == K and all(a >= b for a, b in pairwise(per_pos))
+    assert any(row.drafts == K for rows in recorder.rows.values() for row in rows)
+    fast.close()
