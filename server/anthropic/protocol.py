@@ -97,7 +97,9 @@ class ToolResultBlock(_Request):
     @model_validator(mode="before")
     @classmethod
     def _media(cls, data: Any) -> Any:
-        for block in data.get("content") or () if isinstance(data, dict) else ():
+        content = data.get("content") if isinstance(data, dict) else None
+        # Only a list holds blocks; any other value is the field validation's to refuse.
+        for block in content if isinstance(content, list) else ():
             if isinstance(block, dict) and block.get("type") in MEDIA_BLOCK_TYPES | {"image"}:
                 raise PydanticCustomError(
                     "not_served",

@@ -512,14 +512,15 @@ def _png(width: int, height: int, colour: tuple[int, int, int]) -> bytes:
 
 
 def _images_for(page: Page, ids: set[str] | None = None) -> None:
-    """Answer /v1/models with the server's own cards, ``input_modalities`` added to
-    those in ``ids`` (all when None): the page's switch, whatever the engine takes."""
+    """Answer /v1/models with the server's own cards, images in the ``input_modalities``
+    of those in ``ids`` (all when None) and text only in the others': the page's
+    switch, whatever the engine takes."""
 
     def reply(route: Route) -> None:
         cards = route.fetch().json()
         for card in cards["data"]:
-            if ids is None or card["id"] in ids:
-                card["input_modalities"] = ["text", "image"]
+            takes = ids is None or card["id"] in ids
+            card["input_modalities"] = ["text", "image"] if takes else ["text"]
         route.fulfill(json=cards)
 
     page.route("**/v1/models", reply)
