@@ -52,7 +52,7 @@ format: setup
 # session-scoped servers in one worker. TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 2
 test: setup lint
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=30
 
 # A small agent workload on the tiny model over HTTP, server launched on a free
 # loopback port (bench/serving/; results in bench/results/serving/).
