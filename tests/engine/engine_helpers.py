@@ -14,7 +14,7 @@ from engine.core.llm_engine import LLMEngine
 from engine.core.sequence import Sequence
 from engine.core.step import StepBatch
 from engine.model.deepseek_v41.config import ModelConfig
-from engine.model.kv.dense_backend import KVPrecision
+from engine.model.kv.dense_backend import GlobalKV, KVPrecision
 from engine.runner.model_runner import PagedModelRunner
 from engine.runner.reference_runner import ReferenceRunner
 from kvstore.device.layout import kv_layout
@@ -239,3 +239,12 @@ def run_to_completion(engine: LLMEngine, max_steps: int = 10_000) -> dict[str, l
 
 def token_stream(outputs: list, index: int = 0) -> list[int]:
     return [t for out in outputs for c in out.outputs if c.index == index for t in c.token_ids]
+
+
+def keep_first_writes(written: GlobalKV, new: GlobalKV) -> None:
+    """Add ``new``'s entries past those ``written`` holds: a page is written once, by
+    the first forward that completed it (what a dense oracle of a paged run reads)."""
+    for table, fresh in ((written.latents, new.latents), (written.keys, new.keys)):
+        for layer, values in fresh.items():
+            old = table.get(layer, values[:0])
+            table[layer] = torch.cat([old, values[old.shape[0] :]])

@@ -19,6 +19,7 @@ from engine_helpers import (
     assert_same_answer,
     fake_engine,
     greedy,
+    keep_first_writes,
     prompt,
     ratios,
     reference_engine,
@@ -124,13 +125,6 @@ def expected_with_admissions(model, tokens: list[int], admissions, max_tokens: i
             out.append(tokens[-1])
             keep_first_writes(written, result.global_kv)
     return out, logits
-
-
-def keep_first_writes(written: GlobalKV, new: GlobalKV) -> None:
-    for table, fresh in ((written.latents, new.latents), (written.keys, new.keys)):
-        for layer, values in fresh.items():
-            old = table.get(layer, values[:0])
-            table[layer] = torch.cat([old, values[old.shape[0] :]])
 
 
 def test_preemption_and_resume(flavour):

@@ -28,6 +28,7 @@ from tests.engine.engine_helpers import (
     Admission,
     W,
     greedy,
+    keep_first_writes,
     prompt,
     ratios,
     reference_engine,
@@ -112,13 +113,7 @@ def dense_greedy(model, ids: list[int], images: list[ImageInput], n: int, admiss
             tokens.append(nxt)
             logits.append(result.logits[-1])
             seq.append(nxt)
-            for table, fresh in (
-                (written.latents, result.global_kv.latents),
-                (written.keys, result.global_kv.keys),
-            ):
-                for layer, values in fresh.items():
-                    old = table.get(layer, values[:0])
-                    table[layer] = torch.cat([old, values[old.shape[0] :]])
+            keep_first_writes(written, result.global_kv)
     _ORACLE[key] = tokens, logits
     return tokens, logits
 

@@ -13,7 +13,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
-from engine_helpers import make_local_kv
+from engine_helpers import keep_first_writes, make_local_kv
 
 from engine.config import EngineConfig
 from engine.core.llm_engine import LLMEngine
@@ -143,13 +143,7 @@ def dense_stream(model, tokens: list[int], admissions, max_tokens: int, window: 
             logits.append(result.logits[-1].double())
             tokens.append(int(result.logits[-1].argmax()))
             out.append(tokens[-1])
-            for table, fresh in (
-                (written.latents, result.global_kv.latents),
-                (written.keys, result.global_kv.keys),
-            ):
-                for layer, values in fresh.items():
-                    old = table.get(layer, values[:0])
-                    table[layer] = torch.cat([old, values[old.shape[0] :]])
+            keep_first_writes(written, result.global_kv)
     return out, logits
 
 
