@@ -21,6 +21,7 @@ import json
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -127,8 +128,13 @@ def main(argv: list[str] | None = None) -> int:
         )
         model = model.eval()
         for b in batches:
-            eager = run(model, tokenizer, args.device, b, args.steps, None)
-            graph = run(model, tokenizer, args.device, b, args.steps, args.backend)
+            try:
+                eager = run(model, tokenizer, args.device, b, args.steps, None)
+                graph = run(model, tokenizer, args.device, b, args.steps, args.backend)
+            except Exception:  # one batch's failure is reported; the others still run
+                print(f"batch {b:3d}: FAILED\n{traceback.format_exc()}", flush=True)
+                failed = True
+                continue
             equal = sum(eager["tokens"][r] == graph["tokens"][r] for r in eager["tokens"])
             failed |= equal != b
             row = {

@@ -72,7 +72,7 @@ def fp8_linear(
     so GEMMs that read the same tensor quantise it once.
     """
     _check(x, weight, scale)
-    if use_triton(x, weight, scale) and x.dtype != torch.float64:
+    if use_triton(x, weight, scale, op="fp8_linear") and x.dtype != torch.float64:
         from kernels.triton.fp8_gemm import fp8_linear_triton
 
         if out_dtype is None or out_dtype == x.dtype:

@@ -41,7 +41,7 @@ def indexer_scores(
     index-key page views, block_tables ``Long[T, max_pages]`` (each row's
     sequence, padded with 0), n_visible ``Long[T]``.
     """
-    if use_triton(qi, index_data) and not is_raw_bf16(index_scales):
+    if use_triton(qi, index_data, op="indexer_scores") and not is_raw_bf16(index_scales):
         from kernels.triton.indexer_scores import indexer_scores_triton
 
         return indexer_scores_triton(
@@ -217,7 +217,7 @@ def block_max(scores: torch.Tensor, block_size: int) -> torch.Tensor:
 
     The last block is padded with ``-inf``; the result keeps ``scores``' dtype.
     """
-    if use_triton(scores):
+    if use_triton(scores, op="block_max"):
         from kernels.triton.block_max import block_max_triton
 
         return block_max_triton(scores, block_size)

@@ -101,7 +101,7 @@ def store_kv_entries(
     """
     if latents.shape[0] == 0:
         return
-    if use_triton(main_data, latents) and not is_raw_bf16(main_scales):
+    if use_triton(main_data, latents, op="store_kv") and not is_raw_bf16(main_scales):
         from kernels.triton.store_kv import store_kv_entries_triton
 
         store_kv_entries_triton(
@@ -146,7 +146,7 @@ def gather_main_kv(
     entry_idx: torch.Tensor,
 ) -> torch.Tensor:
     """float32 ``[..., 512]``: dequantised main records of ``entry_idx [...]``; -1 gives zeros."""
-    if use_triton(main_data, entry_idx) and not is_raw_bf16(main_scales):
+    if use_triton(main_data, entry_idx, op="gather_main_kv") and not is_raw_bf16(main_scales):
         from kernels.triton.gather_kv import gather_main_kv_triton
 
         return gather_main_kv_triton(main_data, main_scales, block_table, entry_idx)
@@ -171,7 +171,9 @@ def gather_index_keys(
     n_entries: int,
 ) -> torch.Tensor:
     """float32 ``[n_entries, 128]``: the dequantised index keys of entries ``0 .. n_entries-1``."""
-    if use_triton(index_data, block_table) and not is_raw_bf16(index_scales):
+    if use_triton(index_data, block_table, op="gather_index_keys") and not is_raw_bf16(
+        index_scales
+    ):
         from kernels.triton.gather_kv import gather_index_keys_triton
 
         return gather_index_keys_triton(index_data, index_scales, block_table, n_entries)

@@ -64,7 +64,7 @@ def grouped_mxfp4_matmul(
     needs them; the Triton path never syncs for them).
     """
     _check(a_values, a_scales, offsets, w, w_scale)
-    if use_triton(a_values, w):
+    if use_triton(a_values, w, op="moe_gemm"):
         from kernels.triton.grouped_mxfp4 import grouped_mxfp4_matmul_triton
 
         return grouped_mxfp4_matmul_triton(a_values, a_scales, offsets, w, w_scale)

@@ -41,7 +41,7 @@ def sparse_attention(
     topk_idx ``Long[T, K]`` (-1 padded, K may be 0); sink ``[H]``; logits are
     ``q.k * scale``.
     """
-    if use_triton(q, main_data) and not is_raw_bf16(main_scales):
+    if use_triton(q, main_data, op="sparse_attention") and not is_raw_bf16(main_scales):
         from kernels.triton.sparse_attention import sparse_attention_triton
 
         return sparse_attention_triton(

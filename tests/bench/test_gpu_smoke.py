@@ -36,5 +36,12 @@ def test_gpu_smoke_runs_cpu_against_itself(tmp_path: Path) -> None:
     rows = result["engine"]["rows"]
     assert len(rows) == 3
     for row in rows:
-        assert row["tokens_equal"] == row["tokens"] == 3
-        assert row["first_step_max_dlogit"] == 0.0
+        assert row["tokens"] == 3
+        for pair in (
+            "device_reference_vs_cpu",
+            "device_triton_vs_cpu",
+            "device_triton_vs_device_reference",
+        ):
+            assert row[pair]["tokens_equal"] == 3, pair
+            assert row[pair]["first_step_max_dlogit"] == 0.0, pair
+            assert row[pair]["first_diverging_step"] is None, pair

@@ -186,14 +186,42 @@ def test_gather_references_match_float64_loops(seed):
 def test_dispatch_modes(monkeypatch):
     cpu = torch.zeros(1)
     monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
-    assert not dispatch.use_triton(cpu)  # CPU tensors run the reference
+    monkeypatch.delenv(dispatch.OPS_VAR, raising=False)
+    assert not dispatch.use_triton(cpu, op="store_kv")  # CPU tensors run the reference
     monkeypatch.setenv(dispatch.ENV_VAR, "reference")
-    assert not dispatch.use_triton(cpu)
+    assert not dispatch.use_triton(cpu, op="store_kv")
     monkeypatch.setenv(dispatch.ENV_VAR, "triton")
-    assert dispatch.use_triton(cpu)
+    assert dispatch.use_triton(cpu, op="store_kv")
     monkeypatch.setenv(dispatch.ENV_VAR, "fast")
     with pytest.raises(ValueError, match="FLASHSERVE_KERNELS"):
-        dispatch.use_triton(cpu)
+        dispatch.use_triton(cpu, op="store_kv")
+
+
+def test_triton_ops_narrows_triton_to_the_ops_named(monkeypatch):
+    cpu = torch.zeros(1)
+    monkeypatch.setenv(dispatch.ENV_VAR, "triton")
+    monkeypatch.setenv(dispatch.OPS_VAR, "sparse_attention, fp8_linear")
+    assert dispatch.use_triton(cpu, op="sparse_attention")
+    assert dispatch.use_triton(cpu, op="fp8_linear")
+    assert not dispatch.use_triton(cpu, op="store_kv")
+    monkeypatch.setenv(dispatch.ENV_VAR, "reference")  # reference still wins
+    assert not dispatch.use_triton(cpu, op="sparse_attention")
+    monkeypatch.setenv(dispatch.ENV_VAR, "triton")
+    monkeypatch.setenv(dispatch.OPS_VAR, "sparse_attn")
+    with pytest.raises(ValueError, match="sparse_attn"):
+        dispatch.use_triton(cpu, op="sparse_attention")
+
+
+def test_every_call_site_names_a_known_op() -> None:
+    """A misspelt op at a call site would never run Triton under FLASHSERVE_TRITON_OPS."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    named = set()
+    for path in [*root.glob("kernels/*.py"), *root.glob("engine/**/*.py")]:
+        named |= set(re.findall(r'use_triton\([^)]*op="(\w+)"', path.read_text()))
+    assert named == set(dispatch.OPS)
 
 
 # ----------------------------------------------------------------- Triton (interpreted)

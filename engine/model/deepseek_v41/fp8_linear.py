@@ -149,7 +149,10 @@ class Fp8GroupedLinear(_Packed):
         o, blocks = self.out_per_group, self.out_per_group // BLOCK
         nan_free = self.nan_free()
         x32 = upcast(x)
-        cpu = not use_triton(x32, self.weight, self.scale) or x32.dtype == torch.float64
+        cpu = (
+            not use_triton(x32, self.weight, self.scale, op="fp8_linear")
+            or x32.dtype == torch.float64
+        )
         if cpu:
             # Quantised once for every group (its blocks of 32 lie inside one group),
             # each group's rows made contiguous for its GEMM.

@@ -284,7 +284,7 @@ class RoutedExperts(nn.Module):
         reuse it.
         """
         offsets = routing.offsets
-        if use_triton(x, self.w1):
+        if use_triton(x, self.w1, op="moe_gemm"):
             rows = x[routing.token]
             a = quantize_act_fp8(rows)
             gate = grouped_mxfp4_matmul(*a, offsets, self.w1, self.w1_scale)
