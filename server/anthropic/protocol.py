@@ -87,11 +87,14 @@ class ToolUseBlock(_Request):
 
 
 class ToolResultBlock(_Request):
-    """A tool's answer, in a user message; ``content`` a string or text blocks."""
+    """A tool's answer, in a user message; ``content`` a string or text and image
+    blocks (a screenshot tool's answer, say), in order."""
 
     type: Literal["tool_result"]
     tool_use_id: str
-    content: str | list[TextBlock] | None = None
+    content: str | list[Annotated[TextBlock | ImageBlock, Field(discriminator="type")]] | None = (
+        None
+    )
     is_error: bool = False
 
     @model_validator(mode="before")
@@ -100,20 +103,27 @@ class ToolResultBlock(_Request):
         content = data.get("content") if isinstance(data, dict) else None
         # Only a list holds blocks; any other value is the field validation's to refuse.
         for block in content if isinstance(content, list) else ():
-            if isinstance(block, dict) and block.get("type") in MEDIA_BLOCK_TYPES | {"image"}:
+            if isinstance(block, dict) and block.get("type") in MEDIA_BLOCK_TYPES:
                 raise PydanticCustomError(
                     "not_served",
-                    "media inside a tool_result is not served; send images as image "
-                    "blocks of the user message",
+                    "'{kind}' blocks inside a tool_result are not served; text and image "
+                    "blocks are",
+                    {"kind": block["type"]},
                 )
         return data
 
     def text(self) -> str:
+        """The text blocks alone (an image is the chat path's part, not text)."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "\n\n".join(b.text for b in self.content)
+        return "\n\n".join(b.text for b in self.content if isinstance(b, TextBlock))
+
+    def has_images(self) -> bool:
+        return isinstance(self.content, list) and any(
+            isinstance(b, ImageBlock) for b in self.content
+        )
 
 
 class ThinkingBlock(_Request):

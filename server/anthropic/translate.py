@@ -138,20 +138,15 @@ def _user(message: AnthropicMessage) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for block in message.content:
         if isinstance(block, ToolResultBlock):
-            text = block.text()
             out.append(
                 {
                     "role": "tool",
                     "tool_call_id": block.tool_use_id,
-                    "content": TOOL_ERROR_PREFIX + text if block.is_error else text,
+                    "content": _tool_result_content(block),
                 }
             )
         elif isinstance(block, TextBlock | ImageBlock):
-            part: dict[str, Any] = (
-                {"type": "text", "text": block.text}
-                if isinstance(block, TextBlock)
-                else {"type": "image_url", "image_url": {"url": block.url()}}
-            )
+            part = _part(block)
             if out and out[-1]["role"] == "user":  # adjacent blocks: one message's parts
                 out[-1]["content"].append(part)
             else:
@@ -159,6 +154,30 @@ def _user(message: AnthropicMessage) -> list[dict[str, Any]]:
     if not out:  # every block dropped: still a user turn
         out.append({"role": "user", "content": ""})
     return out
+
+
+def _part(block: TextBlock | ImageBlock) -> dict[str, Any]:
+    """One block as the chat path's content part."""
+    if isinstance(block, TextBlock):
+        return {"type": "text", "text": block.text}
+    return {"type": "image_url", "image_url": {"url": block.url()}}
+
+
+def _tool_result_content(block: ToolResultBlock) -> str | list[dict[str, Any]]:
+    """A tool message's content: its text, or its text and image parts in order when it
+    holds an image (the chat path places each image's span where its part is).
+    ``is_error`` prefixes the first text (or stands as its own first part)."""
+    if not block.has_images():
+        text = block.text()
+        return TOOL_ERROR_PREFIX + text if block.is_error else text
+    assert isinstance(block.content, list)
+    parts = [_part(b) for b in block.content]
+    if block.is_error:
+        if parts[0]["type"] == "text":
+            parts[0] = {"type": "text", "text": TOOL_ERROR_PREFIX + parts[0]["text"]}
+        else:
+            parts.insert(0, {"type": "text", "text": TOOL_ERROR_PREFIX.rstrip()})
+    return parts
 
 
 def _text(message: AnthropicMessage) -> str:

@@ -326,8 +326,8 @@ def _refusal(body: dict[str, Any]) -> str:
 
 def test_refused_shapes_say_what_is_wrong() -> None:
     image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": ""}}
-    nested = {"type": "tool_result", "tool_use_id": "t", "content": [image]}
-    assert "media inside a tool_result is not served" in _refusal(
+    nested = {"type": "tool_result", "tool_use_id": "t", "content": [{"type": "document"}]}
+    assert "'document' blocks inside a tool_result are not served" in _refusal(
         {"messages": [{"role": "user", "content": [nested]}]}
     )
     assert "cannot hold a 'image' block" in _refusal(
@@ -394,3 +394,79 @@ def test_what_the_chat_request_refuses_is_a_400() -> None:
             }
         )
     assert info.value.status == 400 and info.value.param == "temperature"
+
+
+def test_an_image_in_a_tool_result_is_an_image_part_of_the_tool_message() -> None:
+    """A screenshot tool's answer: the tool message holds the text and image parts in
+    their order (the chat path gives each image its span there), ``is_error`` still
+    prefixes the text, and the prompt is the chat request's with the same parts."""
+    png = {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}
+    call = {"type": "tool_use", "id": "t1", "name": "shot", "input": {}}
+    result = {
+        "type": "tool_result",
+        "tool_use_id": "t1",
+        "is_error": True,
+        "content": [
+            {"type": "text", "text": "partial screen"},
+            {"type": "image", "source": png},
+            {"type": "text", "text": "end"},
+        ],
+    }
+    anthropic = _translate(
+        {
+            "model": "claude-x",
+            "messages": [
+                {"role": "user", "content": "Look"},
+                {"role": "assistant", "content": [call]},
+                {"role": "user", "content": [result]},
+            ],
+        }
+    )
+    url = "data:image/png;base64,iVBORw0KGgo="
+    chat = _chat(
+        {
+            "messages": [
+                {"role": "user", "content": "Look"},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": "t1",
+                            "type": "function",
+                            "function": {"name": "shot", "arguments": {}},
+                        }
+                    ],
+                },
+                {
+                    "role": "tool",
+                    "tool_call_id": "t1",
+                    "content": [
+                        {"type": "text", "text": TOOL_ERROR_PREFIX + "partial screen"},
+                        {"type": "image_url", "image_url": {"url": url}},
+                        {"type": "text", "text": "end"},
+                    ],
+                },
+            ]
+        }
+    )
+    tool = anthropic.messages[-1]
+    assert tool.role == "tool" and tool.model_dump(exclude_none=True)["content"] == [
+        p.model_dump(exclude_none=True) for p in chat.messages[-1].content
+    ]
+    assert _prompt(anthropic) == _prompt(chat)
+    assert "<tool_result>Error: partial screen\n\n<｜deepseek_image｜>\n\nend</tool_result>" in (
+        _prompt(anthropic)
+    )
+    # Only images: the error prefix stands as its own first part.
+    result["content"] = [{"type": "image", "source": png}]
+    body = {
+        "model": "claude-x",
+        "messages": [
+            {"role": "user", "content": "Look"},
+            {"role": "assistant", "content": [call]},
+            {"role": "user", "content": [result]},
+        ],
+    }
+    parts = _translate(body).messages[-1].content
+    assert [p.type for p in parts] == ["text", "image_url"] and parts[0].text == "Error:"
