@@ -59,6 +59,9 @@ from kernels.dispatch import ENV_VAR, OPS, OPS_VAR  # noqa: E402
 # queries and windows (docs/design/kernels.md): about 2^-8 per attention, compounded
 # over the layers; 2% leaves room for that and none for a wrong kernel.
 FIRST_STEP_RELATIVE = 0.02
+# Prompt lengths of step 2: the window alone, a window's worth, and past the
+# compressor and the indexer's top-k (the tiny model's window is 16 tokens).
+PROMPT_LENGTHS = (7, 64, 300)
 
 
 def run_step(name: str, cmd: list[str], out: Path, timeout: float) -> dict:
@@ -163,13 +166,13 @@ def compare(rid: str, base: dict, other: dict) -> dict:
     }
 
 
-def run_engine(device: str, steps: int) -> dict:
+def run_engine(device: str, steps: int, lengths: tuple[int, ...] = PROMPT_LENGTHS) -> dict:
     """Step 2: the tiny checkpoint greedy on the CPU and twice on ``device``: once with
     the PyTorch reference ops, once with the Triton kernels (``auto``). The CPU
     against the device reference is GEMM rounding alone; the device reference
     against the Triton pass is the kernels' own share."""
     gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 120000, (n,), generator=gen).tolist() for n in (7, 64, 300)]
+    prompts = [torch.randint(3, 120000, (n,), generator=gen).tolist() for n in lengths]
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = make_tiny(Path(tmp) / "tiny", seed=0)
         cpu = greedy_run(checkpoint, "cpu", prompts, steps)
@@ -218,12 +221,12 @@ def run_engine(device: str, steps: int) -> dict:
     }
 
 
-def attribute(device: str, steps: int) -> dict:
+def attribute(device: str, steps: int, lengths: tuple[int, ...] = PROMPT_LENGTHS) -> dict:
     """``--attribute``: the tiny checkpoint on ``device`` with the reference ops, then
     once per Triton op with only that op on Triton (``FLASHSERVE_TRITON_OPS``): each
     op's own share of the Triton pass's deviation, per prompt."""
     gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 120000, (n,), generator=gen).tolist() for n in (7, 64, 300)]
+    prompts = [torch.randint(3, 120000, (n,), generator=gen).tolist() for n in lengths]
     out: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = make_tiny(Path(tmp) / "tiny", seed=0)
@@ -258,6 +261,12 @@ def main() -> int:
     )
     ap.add_argument("--json", type=Path, default=REPO / "bench" / "results" / "gpu_smoke.json")
     ap.add_argument(
+        "--prompt-lengths",
+        type=lambda v: tuple(int(x) for x in v.split(",")),
+        default=PROMPT_LENGTHS,
+        help="comma-separated prompt lengths of step 2 (default 7,64,300)",
+    )
+    ap.add_argument(
         "--attribute",
         action="store_true",
         help="only step 2's attribution: one pass per Triton op, the rest on the reference",
@@ -269,7 +278,9 @@ def main() -> int:
         print(
             f"2. attribution on {args.device}, the device reference pass against one op at a time:"
         )
-        args.json.write_text(json.dumps(attribute(args.device, args.steps), indent=2) + "\n")
+        args.json.write_text(
+            json.dumps(attribute(args.device, args.steps, args.prompt_lengths), indent=2) + "\n"
+        )
         return 0
     args.json.parent.mkdir(parents=True, exist_ok=True)
     result: dict = {"device": args.device}
@@ -280,7 +291,7 @@ def main() -> int:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
         return int(failed)
     try:
-        result["engine"] = run_engine(args.device, args.steps)
+        result["engine"] = run_engine(args.device, args.steps, args.prompt_lengths)
         failed |= any(
             r["device_triton_vs_device_reference"]["first_step_relative"] > FIRST_STEP_RELATIVE
             for r in result["engine"]["rows"]

@@ -21,6 +21,8 @@ def test_gpu_smoke_runs_cpu_against_itself(tmp_path: Path) -> None:
             "cpu",
             "--steps",
             "3",
+            "--prompt-lengths",
+            "7,40",
             "--json",
             str(out),
         ],
@@ -34,7 +36,7 @@ def test_gpu_smoke_runs_cpu_against_itself(tmp_path: Path) -> None:
     assert result["kernels"] == {"ran": False}
     assert result["cuda_graphs"] == {"ran": False}
     rows = result["engine"]["rows"]
-    assert len(rows) == 3
+    assert [r["prompt_tokens"] for r in rows] == [7, 40]
     for row in rows:
         assert row["tokens"] == 3
         for pair in (

@@ -325,6 +325,7 @@ def test_triton_gpu_bench_dry_run_on_cpu(monkeypatch):
         "gather_index_keys",
         "sparse_attention",
         "sparse_attention",
+        "sparse_attention_fp32",
         "indexer_scores",
         "block_max",
         "fp8_linear",
