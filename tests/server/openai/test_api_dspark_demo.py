@@ -1,28 +1,33 @@
-"""``flashserve serve --model demo --speculative-config`` with the demo's trained DSpark
-drafter: a greedy chat reply over HTTP is the text the engine gives without
-speculation, and the drafts the server counts were made (and mostly accepted: the
-drafter is trained, docs/BENCHMARKS.md)."""
+"""The API over the demo with ``--speculative-config`` dspark (its trained drafter): a
+greedy chat reply over HTTP is the one the API gives without speculation, and the
+drafts were made and accepted (the drafter is trained, docs/BENCHMARKS.md).
+
+The app runs in process over a real engine (``create_app`` on an ``AsyncEngine``,
+requests through the ASGI client): a served subprocess would start torch twice
+for the same routes and cost most of this test's time budget.
+"""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
-from api_helpers import API_KEY, served
+from fastapi.testclient import TestClient
 
-from engine.api.request import Request
-from engine.api.sampling_params import SamplingParams
+from engine.api.async_engine import AsyncEngine
 from engine.config import EngineConfig
-from engine.loader.builder import build_engine
-from server.chat.chat_encoding import encode_chat
-from server.openai.protocol import ChatMessage
+from server.app import create_app
+from server.settings import ServerSettings
 from training.demo_config import demo_checkpoint_dir
 
 DEMO = demo_checkpoint_dir()
-MESSAGES = [{"role": "user", "content": "Who's there?"}]
-MAX_TOKENS = 24
 SPEC = json.dumps({"method": "dspark", "num_speculative_tokens": 4})
+BODY = {
+    "model": "deepseek-chat",
+    "messages": [{"role": "user", "content": "Who's there?"}],
+    "max_tokens": 24,
+    "temperature": 0,
+}
 
 pytestmark = pytest.mark.skipif(
     json.loads((DEMO / "config.json").read_text(encoding="utf-8"))["text_config"].get(
@@ -33,32 +38,25 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _plain_reply() -> str:
-    """The engine's greedy reply without speculation, in process (served defaults)."""
-    engine = build_engine(EngineConfig(max_num_seqs=1, kv_cache_bytes=64 << 20), DEMO)
-    messages = [ChatMessage(**m) for m in MESSAGES]
-    prompt = encode_chat(messages, thinking=False, reasoning_effort=75)
-    ids = engine.tokenizer.encode(prompt, add_special_tokens=False).ids
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
-    engine.add_request(Request("plain", ids, params))
-    tokens: list[int] = []
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            tokens += [t for c in out.outputs for t in c.token_ids]
-    engine.close()
-    return engine.tokenizer.decode(tokens)
-
-
-def test_speculative_demo_reply_is_the_plain_greedy_reply(tmp_path: Path) -> None:
-    args = ["--model", "demo", "--api-key", API_KEY, "--max-num-seqs", "2"]
-    args += ["--kv-cache-bytes", str(64 << 20), "--speculative-config", SPEC]
-    with served(tmp_path / "cache", tmp_path, args) as server:
-        body = {"model": "demo", "messages": MESSAGES, "max_tokens": MAX_TOKENS, "temperature": 0}
-        response = server.post("/v1/chat/completions", body)
+def _reply(speculative_config: str | None) -> tuple[str, int, int]:
+    """(reply text, drafts, accepted draft tokens) of one greedy chat over the API."""
+    config = EngineConfig(
+        max_num_seqs=2, kv_cache_bytes=64 << 20, speculative_config=speculative_config
+    )
+    engine = AsyncEngine(config, DEMO)
+    try:
+        with TestClient(create_app(engine, ServerSettings())) as client:
+            response = client.post("/v1/chat/completions", json=BODY)
         assert response.status_code == 200, response.text
+        counters = engine.engine.stats().counters
         text = response.json()["choices"][0]["message"]["content"]
-        metrics = server.metrics()
-    assert text == _plain_reply()
-    drafts = metrics[("flashserve:spec_decode_num_drafts_total", ())]
-    accepted = metrics[("flashserve:spec_decode_num_accepted_tokens_total", ())]
-    assert drafts > 0 and accepted > 0
+        return text, counters.spec_drafts, counters.spec_accepted_tokens
+    finally:
+        engine.shutdown()
+
+
+def test_speculative_demo_reply_is_the_plain_greedy_reply() -> None:
+    plain, plain_drafts, _ = _reply(None)
+    fast, drafts, accepted = _reply(SPEC)
+    assert fast == plain and len(plain.split()) >= 3
+    assert plain_drafts == 0 and drafts > 0 and accepted > 0
