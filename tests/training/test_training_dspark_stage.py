@@ -43,19 +43,24 @@ def _stored(path: Path) -> dict[str, torch.Tensor]:
         return {n: f.get_tensor(n) for n in f.keys()}  # noqa: SIM118
 
 
+CFG = DSparkStageConfig(
+    train_prompts=2,
+    heldout_prompts=1,
+    new_tokens=5,
+    distill=DistillConfig(steps=2, batch=2),
+    shape=SHAPE,
+)
+
+
+def _build(out: Path) -> dict:
+    base = demo_checkpoint_dir()
+    return build_dspark_stage(base, out, base, CFG, plays=([PLAY], [PLAY]), say=lambda m: None)
+
+
 @pytest.fixture(scope="module")
 def staged(tmp_path_factory) -> tuple[Path, Path, dict]:
-    base = demo_checkpoint_dir()
     out = tmp_path_factory.mktemp("staged")
-    cfg = DSparkStageConfig(
-        train_prompts=2,
-        heldout_prompts=1,
-        new_tokens=5,
-        distill=DistillConfig(steps=2, batch=2),
-        shape=SHAPE,
-    )
-    record = build_dspark_stage(base, out, base, cfg, plays=([PLAY], [PLAY]), say=lambda m: None)
-    return base, out, record
+    return demo_checkpoint_dir(), out, _build(out)
 
 
 def test_the_stage_writes_the_drafter_beside_the_unchanged_text_model(staged) -> None:
@@ -113,3 +118,13 @@ def test_the_written_drafter_loads_and_keeps_greedy_output(staged) -> None:
     (plain, plain_drafts), (fast, drafts) = streams
     assert fast == plain and all(len(t) == 8 for t in plain.values())
     assert plain_drafts == 0 and drafts > 0
+
+
+def test_a_second_run_writes_the_same_drafter(staged, tmp_path: Path) -> None:
+    _, out, _ = staged
+    _build(tmp_path)  # seeded: rollouts, draws and steps repeat
+    first, second = _stored(out), _stored(tmp_path)
+    drafter = [n for n in first if n.startswith("mtp.")]
+    assert drafter and set(drafter) == {n for n in second if n.startswith("mtp.")}
+    for name in drafter:
+        assert torch.equal(first[name].view(torch.uint8), second[name].view(torch.uint8)), name
