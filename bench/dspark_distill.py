@@ -3,10 +3,12 @@
     PYTHONPATH=. python bench/dspark_distill.py [--steps 600] [--out DIR]
 
 The demo model (models/demo) is the frozen target; its greedy continuations of
-the training prompts below are the data (training/dspark_distill.py), the
+the training prompts below, decoded by the engine (training/dspark_rollouts.py),
+are the data (training/dspark_distill.py), the
 held-out prompts measure acceptance: rounds of K greedy drafts against the
 target's greedy continuation. ``--out``: also write the drafter's ``mtp.*``
-tensors there (the demo checkpoint itself is left as it is).
+tensors there (the demo checkpoint itself is left as it is). The demo's own
+drafter is made by ``flashserve train-demo --stage dspark`` (more prompts, a budget).
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ from training.dspark_distill import (
     acceptance,
     attach_drafter,
     distill,
-    greedy_rollout,
 )
+from training.dspark_rollouts import engine_rollouts
 
 TRAIN = [
     "To be, or not to be, that is the question:",
@@ -84,11 +86,10 @@ def main() -> None:
     model.eval()
     tok = Tokenizer.from_file(str(Path(args.model) / "tokenizer.json"))
     t0 = time.monotonic()
-    train = [
-        greedy_rollout(model, tok.encode(s).ids, args.new_tokens)
-        for s in TRAIN[: args.train_prompts]
-    ]
-    held = [greedy_rollout(model, tok.encode(s).ids, args.new_tokens) for s in HELDOUT]
+    train = engine_rollouts(
+        model, [tok.encode(s).ids for s in TRAIN[: args.train_prompts]], args.new_tokens
+    ).rollouts
+    held = engine_rollouts(model, [tok.encode(s).ids for s in HELDOUT], args.new_tokens).rollouts
     t_data = time.monotonic() - t0
     attach_drafter(model)
     before = acceptance(model, held, args.k)

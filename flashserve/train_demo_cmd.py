@@ -10,7 +10,10 @@ wall-clock budgets, so a faster machine trains more steps in them.
 the checkpoint in ``--out``: a small tower, aligner and span vectors trained on
 rendered shapes with the text model frozen (a fixed probe, then chat training under
 ``--vision-minutes``, as the text fine-tunings have budgets).
-A full run (``--stage all``) ends with it.
+``--stage dspark`` runs only the DSpark stage (training/dspark_stage.py) on top of
+the checkpoint in ``--out``: the drafter (``mtp.*``) distilled for the frozen text
+model on its own greedy continuations, under ``--dspark-minutes``.
+A full run (``--stage all``) ends with the vision stage, then the DSpark stage.
 """
 
 from __future__ import annotations
@@ -46,9 +49,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--stage",
-        choices=("all", "vision"),
+        choices=("all", "vision", "dspark"),
         default="all",
-        help="all: text stages then the vision stage; vision: only the vision stage, on --out",
+        help="all: text stages, then the vision and DSpark stages; vision / dspark: only "
+        "that stage, on --out",
+    )
+    parser.add_argument(
+        "--dspark-minutes",
+        type=float,
+        default=20.0,
+        help="wall-clock budget of the DSpark drafter's distillation (its steps stop there)",
+    )
+    parser.add_argument(
+        "--dspark-steps",
+        type=int,
+        default=None,
+        help="distillation steps without a budget (the count a budgeted run reached "
+        "repeats it exactly)",
     )
     parser.add_argument(
         "--vision-minutes",
@@ -85,6 +102,8 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else demo_checkpoint_dir()
     if args.stage == "vision":
         return _vision_stage(out, args)
+    if args.stage == "dspark":
+        return _dspark_stage(out, args)
     if args.base_only:
         build_demo(out, Path(args.cache_dir), cfg, say=lambda m: print(m, flush=True))
         return 0
@@ -100,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
         json_warm_start.main(["--base", str(base), "--out", str(stage_1), *cache, *warm])
         second = ["--minutes", str(args.stage_2_minutes), *json_warm_start.SHIPPED_STAGE_2]
         code = json_warm_start.main(["--resume", str(stage_1), "--out", str(out), *cache, *second])
-    return code or _vision_stage(out, args)
+    return code or _vision_stage(out, args) or _dspark_stage(out, args)
 
 
 def _vision_stage(out: Path, args: argparse.Namespace) -> int:
@@ -115,4 +134,22 @@ def _vision_stage(out: Path, args: argparse.Namespace) -> int:
         probe_steps=args.vision_probe_steps,
     )
     build_vision_stage(out, out, cfg, say=lambda m: print(m, flush=True))
+    return 0
+
+
+def _dspark_stage(out: Path, args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from training.dspark_stage import DSparkStageConfig, build_dspark_stage
+
+    cfg = DSparkStageConfig(seed=args.seed)
+    steps = args.dspark_steps
+    distill = dataclasses.replace(
+        cfg.distill,
+        seed=args.seed,
+        steps=steps if steps is not None else cfg.distill.steps,
+        max_seconds=None if steps is not None else args.dspark_minutes * 60,
+    )
+    cfg = dataclasses.replace(cfg, distill=distill)
+    build_dspark_stage(out, out, Path(args.cache_dir), cfg, say=lambda m: print(m, flush=True))
     return 0

@@ -39,6 +39,9 @@ def demo_config(vocab_size: int, compressed_vocab_size: int, pad_token_id: int) 
         engram_num_embeddings=[sum(p) for p in primes],
         # DSpark weights are not part of the text model; the id must still be a real token.
         dspark_noise_token_id=pad_token_id,
+        # The drafter (``train-demo --stage dspark``) reads the last three layers' block
+        # inputs, as the release reads its last three (training/dspark_stage.py).
+        dspark_target_layer_ids=[5, 6, 7],
         num_attention_heads=4,
         sliding_window=32,
         index_topk=32,

@@ -16,6 +16,7 @@ after the accepted prefix and the bonus token.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -33,6 +34,13 @@ class DistillConfig:
     lr: float = 2e-3
     seed: int = 0
     confidence_weight: float = 0.1
+    # Wall-clock budget: the first ``WARMUP`` steps are timed and ``steps`` is cut to
+    # what fits, so the schedule is a function of the step count alone and a run with
+    # ``steps`` set to the count it reached (no budget) repeats it exactly.
+    max_seconds: float | None = None
+
+
+WARMUP = 20  # steps of linear warm-up (also the steps a budget's step time is taken over)
 
 
 @dataclass(slots=True)
@@ -66,16 +74,21 @@ def greedy_rollout(model: DeepseekV41, prompt: list[int], new_tokens: int) -> Ro
     return Rollout(ids, feats, len(prompt))
 
 
-def attach_drafter(model: DeepseekV41, seed: int = 0) -> DSparkDrafter:
+def attach_drafter(
+    model: DeepseekV41, seed: int = 0, warm_from: DeepseekV41 | None = None
+) -> DSparkDrafter:
     """A fresh drafter on ``model`` (``model.mtp``), warm-started where it can be.
 
     Each stage starts as a copy of the target's last layer (the first experts, their
     router rows), so the block begins where the target's own computation ends; the
     context projection averages the target layers; the Markov bias starts at zero.
+    ``warm_from``: the same target loaded unpacked (``quantization="none"``), when
+    ``model`` holds packed weights (their stored bytes are no values to copy).
     """
     drafter = DSparkDrafter(model.config).to(model.embed.weight.dtype)
     g = torch.Generator().manual_seed(seed)
-    last = model.block(model.config.num_hidden_layers - 1).state_dict()
+    source = warm_from if warm_from is not None else model
+    last = source.block(model.config.num_hidden_layers - 1).state_dict()
     with torch.no_grad():
         for name, p in drafter.state_dict(keep_vars=True).items():
             local = name.split(".", 1)[1]
@@ -137,9 +150,16 @@ def distill(
     g = torch.Generator().manual_seed(cfg.seed)
     B = drafter.block_size
     anchors = [(i, p) for i, r in enumerate(rollouts) for p in range(1, len(r.tokens) - B)]
-    losses = []
-    for step in range(cfg.steps):
-        lr = cfg.lr * min(1.0, (step + 1) / 20) * (0.1 + 0.9 * (1 - step / cfg.steps))
+    losses: list[float] = []
+    total_steps = cfg.steps
+    started = time.monotonic()
+    step = 0
+    while step < total_steps:
+        if cfg.max_seconds is not None and step == WARMUP:
+            per_step = (time.monotonic() - started) / WARMUP
+            total_steps = max(WARMUP + 1, min(cfg.steps, int(cfg.max_seconds / per_step)))
+            say(f"dspark distill: {per_step * 1e3:.0f} ms a step, {total_steps} steps in budget")
+        lr = cfg.lr * lr_factor(step, total_steps)
         for group in opt.param_groups:
             group["lr"] = lr
         opt.zero_grad()
@@ -158,11 +178,20 @@ def distill(
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         losses.append(total)
-        if step % 100 == 0 or step == cfg.steps - 1:
+        if step % 100 == 0 or step == total_steps - 1:
             say(f"dspark distill step {step}: loss {total:.3f}")
+        step += 1
     for p in params:
         p.requires_grad_(False)
     return losses
+
+
+def lr_factor(step: int, total_steps: int) -> float:
+    """Linear warm-up over ``WARMUP`` steps, then linear decay to 0.1 at ``total_steps``;
+    the warm-up steps do not depend on ``total_steps`` (a budget fixes it after them)."""
+    warm = min(1.0, (step + 1) / WARMUP)
+    span = max(1, total_steps - WARMUP)
+    return warm * (0.1 + 0.9 * (1 - max(0, step - WARMUP) / span))
 
 
 @torch.no_grad()
