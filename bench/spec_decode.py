@@ -81,10 +81,14 @@ class RunResult:
         return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
 
 
-def spec_json(method: str, k: int, max_batch_size: int | None = None) -> str:
+def spec_json(
+    method: str, k: int, max_batch_size: int | None = None, min_confidence: float | None = None
+) -> str:
     spec: dict[str, object] = {"method": method, "num_speculative_tokens": k}
     if max_batch_size is not None:
         spec["max_batch_size"] = max_batch_size
+    if min_confidence is not None and method == "dspark":
+        spec["min_confidence"] = min_confidence
     return json.dumps(spec)
 
 
@@ -247,6 +251,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--methods", nargs="+", default=["ngram"], choices=["ngram", "dspark"])
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     p.add_argument("--max-batch-size", type=int, help="the pause threshold (default: never pause)")
+    p.add_argument(
+        "--min-confidence",
+        type=float,
+        help="dspark: cut drafts at the first slot below this confidence (default: never)",
+    )
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--max-tokens", type=int, default=64, help="output tokens per request")
     p.add_argument("--workload", choices=["json-edit", "verse"], default="json-edit")
@@ -299,7 +308,11 @@ def main(argv: list[str] | None = None) -> int:
             row[f"simulated_ngram_{occurrence}"] = simulated_acceptance(sims)
         if not args.simulate_only:
             for method in args.methods:
-                engine = make_engine(model, batch, spec_json(method, args.k, args.max_batch_size))
+                engine = make_engine(
+                    model,
+                    batch,
+                    spec_json(method, args.k, args.max_batch_size, args.min_confidence),
+                )
                 spec = run(engine, prompts, args.max_tokens)
                 engine.close()
                 c = spec.counters

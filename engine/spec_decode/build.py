@@ -23,7 +23,7 @@ def build_proposer(spec: SpeculativeConfig, model: CausalLM) -> Proposer:
             raise ValueError(NO_DRAFTER)
         from engine.spec_decode.dspark_proposer import DSparkProposer
 
-        return DSparkProposer(model, spec)
+        return DSparkProposer(model, spec, spec.min_confidence)
     raise ValueError(f"unknown speculative method {spec.method!r}")
 
 

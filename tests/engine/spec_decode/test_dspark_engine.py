@@ -45,3 +45,28 @@ def test_the_tiny_drafter_drafts_every_step_and_changes_no_token(engine_model64)
     assert len(per_pos) == K and all(a >= b for a, b in pairwise(per_pos))
     assert any(row.drafts == K for rows in recorder.rows.values() for row in rows)
     fast.close()
+
+
+def test_min_confidence_one_cuts_every_draft_and_changes_no_token(engine_model64):
+    """``min_confidence`` from the flag reaches the proposer: at 1.0 no sigmoid
+    confidence reaches it, so every round is cut to no draft, no verify row is spent,
+    and the tokens are the plain run's."""
+    model = engine_model64
+    flag = json.dumps({"method": "dspark", "num_speculative_tokens": K, "min_confidence": 1.0})
+    spec = SpeculativeConfig.parse(flag)
+    proposer = build_proposer(spec, model)
+    assert proposer.min_confidence == 1.0  # type: ignore[attr-defined]
+    plain, _, _ = make_engine(model, "paged", prefill_chunk_tokens=16)
+    cut, recorder, _ = make_engine(
+        model, "paged", proposer, speculative_config=flag, prefill_chunk_tokens=16
+    )
+    streams = []
+    for engine in (plain, cut):
+        engine.add_request(Request("a", prompt(37, 5), greedy(8)))
+        streams.append(token_stream(run_to_completion(engine)["a"]))
+    assert streams[0] == streams[1]
+    counters = cut.stats().counters
+    assert counters.spec_draft_tokens == 0 and counters.spec_accepted_tokens == 0
+    assert all(row.drafts == 0 for rows in recorder.rows.values() for row in rows)
+    cut.close()
+    plain.close()
