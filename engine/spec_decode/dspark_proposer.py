@@ -5,8 +5,10 @@ Per sequence it keeps each stage's ring of context KV: the last
 inputs that the engine hands to ``propose`` (``hidden``). A round drafts the
 block after the newest token (the anchor) and returns its first ``k`` greedy
 tokens, cut where the confidence head says the rest are unlikely to be
-accepted (``min_confidence``; None: never cut). Drafts are point masses, so the
-engine's verification stays exact (engine/spec_decode/proposer.py).
+accepted (``min_confidence``; None: never cut). A sequence whose first drafts
+keep being rejected drafts less often (``RejectionBackoff``,
+engine/spec_decode/backoff.py; ``backoff=False``: every step). Drafts are point
+masses, so the engine's verification stays exact (engine/spec_decode/proposer.py).
 
 State is dense per sequence (CPU); see docs/design/dspark.md for the GPU plan.
 """
@@ -20,6 +22,7 @@ import torch
 from engine.core.sequence import Sequence
 from engine.model.base import CausalLM
 from engine.model.deepseek_v41.dspark.drafter import BlockDraft, DSparkDrafter
+from engine.spec_decode.backoff import RejectionBackoff
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.proposer import Draft
 
@@ -38,7 +41,11 @@ class DSparkProposer:
     the block size (a round drafts ``dspark_block_size`` tokens)."""
 
     def __init__(
-        self, model: CausalLM, spec: SpeculativeConfig, min_confidence: float | None = None
+        self,
+        model: CausalLM,
+        spec: SpeculativeConfig,
+        min_confidence: float | None = None,
+        backoff: bool = True,
     ) -> None:
         drafter = getattr(model, "dspark", None)
         if not isinstance(drafter, DSparkDrafter):
@@ -54,6 +61,7 @@ class DSparkProposer:
         self.drafter = drafter
         self.spec = spec
         self.min_confidence = min_confidence
+        self.backoff = RejectionBackoff() if backoff else None
         self.hidden_layers: tuple[int, ...] = drafter.target_layer_ids
         self._rings: dict[int, ContextRing] = {}
         self.last: BlockDraft | None = None  # the newest round (tests, metrics)
@@ -92,6 +100,8 @@ class DSparkProposer:
         k = min(k, self.drafter.block_size)
         if ring is None or k < 1 or ring.positions.numel() == 0:
             return Draft()  # no context yet (nothing the target ran for this sequence)
+        if self.backoff is not None and not self.backoff.should_draft(seq):
+            return Draft()
         anchor, position = seq.token_ids[-1], seq.num_tokens - 1
         # Only rows before the anchor are context (a sequence cut back keeps the rest out).
         before = ring.positions < position
@@ -103,7 +113,11 @@ class DSparkProposer:
             low = (draft.confidence[:k] < self.min_confidence).nonzero()
             if low.numel():
                 tokens = tokens[: int(low[0])]
+        if self.backoff is not None:
+            self.backoff.drafted(seq, tokens)
         return Draft(tokens)
 
     def release(self, seq: Sequence) -> None:
         self._rings.pop(seq.seq_id, None)
+        if self.backoff is not None:
+            self.backoff.release(seq)

@@ -13,6 +13,7 @@ from spec_helpers import make_engine
 from engine.api.request import Request
 from engine.spec_decode.build import build_proposer
 from engine.spec_decode.config import SpeculativeConfig
+from engine.spec_decode.dspark_proposer import DSparkProposer
 
 K = 3
 
@@ -20,7 +21,8 @@ K = 3
 def test_the_tiny_drafter_drafts_every_step_and_changes_no_token(engine_model64):
     model = engine_model64
     spec = SpeculativeConfig("dspark", K)
-    proposer = build_proposer(spec, model)
+    # Without the rejection backoff, which would pause a random drafter's rounds.
+    proposer = DSparkProposer(model, spec, backoff=False)
     assert proposer.hidden_layers == tuple(model.config.dspark_target_layer_ids)
     flag = json.dumps({"method": "dspark", "num_speculative_tokens": K})
     plain, _, _ = make_engine(model, "paged", prefill_chunk_tokens=16)
@@ -69,4 +71,28 @@ def test_min_confidence_one_cuts_every_draft_and_changes_no_token(engine_model64
     assert counters.spec_draft_tokens == 0 and counters.spec_accepted_tokens == 0
     assert all(row.drafts == 0 for rows in recorder.rows.values() for row in rows)
     cut.close()
+    plain.close()
+
+
+def test_a_rejected_drafter_backs_off_and_changes_no_token(engine_model64):
+    """The built proposer (backoff on) with the random drafter, whose first drafts are
+    all but always rejected: fewer rounds than decode steps, the plain run's tokens."""
+    model = engine_model64
+    flag = json.dumps({"method": "dspark", "num_speculative_tokens": K})
+    proposer = build_proposer(SpeculativeConfig.parse(flag), model)
+    plain, _, _ = make_engine(model, "paged", prefill_chunk_tokens=16)
+    fast, _, _ = make_engine(
+        model, "paged", proposer, speculative_config=flag, prefill_chunk_tokens=16
+    )
+    streams = []
+    for engine in (plain, fast):
+        engine.add_request(Request("a", prompt(37, 5), greedy(16)))
+        streams.append(token_stream(run_to_completion(engine)["a"]))
+    assert streams[0] == streams[1]
+    counters = fast.stats().counters
+    accepted_first = counters.spec_accepted_per_pos[0] if counters.spec_accepted_per_pos else 0
+    # 15 decodes after the first token; two misses start a pause of 2, then 4, 8...
+    assert accepted_first == 0, "the random drafter's first draft was taken: no backoff to see"
+    assert 2 <= counters.spec_drafts < 15 - 6
+    fast.close()
     plain.close()
