@@ -59,6 +59,16 @@ def greedy_rollout(model: DeepseekV41, prompt: list[int], new_tokens: int) -> Ro
     ids = list(prompt)
     for _ in range(new_tokens):
         ids.append(int(model(torch.tensor(ids))[-1].argmax()))
+    feats, _ = block_inputs(model, ids)
+    return Rollout(ids, feats, len(prompt))
+
+
+@torch.no_grad()
+def block_inputs(
+    model: DeepseekV41, tokens: list[int]
+) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+    """One dense forward over ``tokens``: the ``dspark_target_layer_ids`` blocks'
+    inputs [len, hc, D] and the logits [len, vocab]."""
     feats: dict[int, torch.Tensor] = {}
     hooks = [
         model.block(l).register_forward_pre_hook(
@@ -67,11 +77,11 @@ def greedy_rollout(model: DeepseekV41, prompt: list[int], new_tokens: int) -> Ro
         for l in model.config.dspark_target_layer_ids
     ]
     try:
-        model(torch.tensor(ids))
+        logits = model(torch.tensor(tokens))
     finally:
         for h in hooks:
             h.remove()
-    return Rollout(ids, feats, len(prompt))
+    return feats, logits
 
 
 def attach_drafter(

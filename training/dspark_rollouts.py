@@ -21,7 +21,7 @@ from engine.api.sampling_params import SamplingParams
 from engine.config import EngineConfig
 from engine.loader.builder import engine_for_model
 from engine.model.deepseek_v41.model import DeepseekV41
-from training.dspark_distill import Rollout
+from training.dspark_distill import Rollout, block_inputs
 
 # The engine's KV pool for the rollouts: a few hundred short sequences at once fit.
 KV_CACHE_BYTES = 256 << 20
@@ -71,24 +71,12 @@ def engine_continuations(
     return [out[f"r{i}"] for i in range(len(prompts))]
 
 
-@torch.no_grad()
 def dense_features(
     model: DeepseekV41, tokens: list[int]
 ) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
     """One dense forward over ``tokens``: the target layers' block inputs [len, hc, D]
     and the greedy choice at every row [len]."""
-    feats: dict[int, torch.Tensor] = {}
-    hooks = [
-        model.block(l).register_forward_pre_hook(
-            lambda m, args, l=l: feats.__setitem__(l, args[0].detach())
-        )
-        for l in model.config.dspark_target_layer_ids
-    ]
-    try:
-        logits = model(torch.tensor(tokens))
-    finally:
-        for h in hooks:
-            h.remove()
+    feats, logits = block_inputs(model, tokens)
     return feats, logits.argmax(dim=-1)
 
 

@@ -49,50 +49,43 @@ def test_the_tiny_drafter_drafts_every_step_and_changes_no_token(engine_model64)
     fast.close()
 
 
+def _plain_and_speculative(model, flag: str, max_tokens: int):
+    """One request greedy through a plain engine and through one built from ``flag``:
+    both token streams, the speculative engine's counters and its recorded rows."""
+    proposer = build_proposer(SpeculativeConfig.parse(flag), model)
+    plain, _, _ = make_engine(model, "paged", prefill_chunk_tokens=16)
+    fast, recorder, _ = make_engine(
+        model, "paged", proposer, speculative_config=flag, prefill_chunk_tokens=16
+    )
+    streams = []
+    for engine in (plain, fast):
+        engine.add_request(Request("a", prompt(37, 5), greedy(max_tokens)))
+        streams.append(token_stream(run_to_completion(engine)["a"]))
+    counters = fast.stats().counters
+    fast.close()
+    plain.close()
+    return streams, counters, recorder, proposer
+
+
 def test_min_confidence_one_cuts_every_draft_and_changes_no_token(engine_model64):
     """``min_confidence`` from the flag reaches the proposer: at 1.0 no sigmoid
     confidence reaches it, so every round is cut to no draft, no verify row is spent,
     and the tokens are the plain run's."""
-    model = engine_model64
     flag = json.dumps({"method": "dspark", "num_speculative_tokens": K, "min_confidence": 1.0})
-    spec = SpeculativeConfig.parse(flag)
-    proposer = build_proposer(spec, model)
-    assert proposer.min_confidence == 1.0  # type: ignore[attr-defined]
-    plain, _, _ = make_engine(model, "paged", prefill_chunk_tokens=16)
-    cut, recorder, _ = make_engine(
-        model, "paged", proposer, speculative_config=flag, prefill_chunk_tokens=16
-    )
-    streams = []
-    for engine in (plain, cut):
-        engine.add_request(Request("a", prompt(37, 5), greedy(8)))
-        streams.append(token_stream(run_to_completion(engine)["a"]))
+    streams, counters, recorder, proposer = _plain_and_speculative(engine_model64, flag, 8)
+    assert proposer.min_confidence == 1.0
     assert streams[0] == streams[1]
-    counters = cut.stats().counters
     assert counters.spec_draft_tokens == 0 and counters.spec_accepted_tokens == 0
     assert all(row.drafts == 0 for rows in recorder.rows.values() for row in rows)
-    cut.close()
-    plain.close()
 
 
 def test_a_rejected_drafter_backs_off_and_changes_no_token(engine_model64):
     """The built proposer (backoff on) with the random drafter, whose first drafts are
     all but always rejected: fewer rounds than decode steps, the plain run's tokens."""
-    model = engine_model64
     flag = json.dumps({"method": "dspark", "num_speculative_tokens": K})
-    proposer = build_proposer(SpeculativeConfig.parse(flag), model)
-    plain, _, _ = make_engine(model, "paged", prefill_chunk_tokens=16)
-    fast, _, _ = make_engine(
-        model, "paged", proposer, speculative_config=flag, prefill_chunk_tokens=16
-    )
-    streams = []
-    for engine in (plain, fast):
-        engine.add_request(Request("a", prompt(37, 5), greedy(16)))
-        streams.append(token_stream(run_to_completion(engine)["a"]))
+    streams, counters, _, _ = _plain_and_speculative(engine_model64, flag, 16)
     assert streams[0] == streams[1]
-    counters = fast.stats().counters
     accepted_first = counters.spec_accepted_per_pos[0] if counters.spec_accepted_per_pos else 0
     # 15 decodes after the first token; two misses start a pause of 2, then 4, 8...
     assert accepted_first == 0, "the random drafter's first draft was taken: no backoff to see"
     assert 2 <= counters.spec_drafts < 15 - 6
-    fast.close()
-    plain.close()
