@@ -130,7 +130,7 @@ def round_logits(model: DeepseekV41, r: Rollout, p: int) -> tuple[torch.Tensor, 
     lo = max(0, p - drafter.window)
     feats = {l: f[lo:p] for l, f in r.features.items()}
     rings = drafter.context_kv(drafter.context(feats), torch.arange(lo, p))
-    base, h = drafter(r.tokens[p], p, rings, model.embed, model.head)
+    base, h = drafter([r.tokens[p]], [p], [rings], model.embed, model.head)
     last = drafter.stages[-1]
     assert last.markov_head is not None and last.confidence_head is not None
     B = drafter.block_size

@@ -100,23 +100,40 @@ class Speculator:
 
     def draft(self, batch: StepBatch, max_tokens_of: Callable[[Sequence], int]) -> None:
         """Propose for each decode of ``batch``; append the drafts to its tokens and
-        record them in ``batch.drafts``."""
+        record them in ``batch.drafts``. A proposer with ``propose_many`` (DSpark) is
+        asked once for every decode with room, before the step's row budget is shared
+        out: its drafts are prefixes of one greedy block, so a draft cut to the budget
+        afterwards is the draft a smaller ask would have given."""
         if self.paused():
             return
         budget = self.scheduler.config.max_num_batched_tokens - batch.num_tokens
         kv = self.scheduler.kv
-        for seq in batch.decodes:
-            # Committing k + 1 tokens must stay within max_tokens and the context.
-            room = min(
-                self.spec.num_speculative_tokens,
-                max_tokens_of(seq) - seq.num_output_tokens - 1,
-                self.max_model_len - seq.num_tokens - 1,
-                budget,
+        # Committing k + 1 tokens must stay within max_tokens and the context.
+        rooms = [
+            (
+                seq,
+                min(
+                    self.spec.num_speculative_tokens,
+                    max_tokens_of(seq) - seq.num_output_tokens - 1,
+                    self.max_model_len - seq.num_tokens - 1,
+                ),
             )
+            for seq in batch.decodes
+        ]
+        many = getattr(self.proposer, "propose_many", None)
+        proposed: dict[int, list[int]] = {}
+        if many is not None:
+            asks = [(seq, room, self._take_hidden(seq)) for seq, room in rooms if room > 0]
+            for (seq, _, _), d in zip(asks, many(asks), strict=True):
+                proposed[seq.seq_id] = d.token_ids
+        for seq, room in rooms:
+            room = min(room, budget)
             if room <= 0:
                 continue
-            hidden = self.hidden.pop(seq.seq_id, None) if self.proposer.hidden_layers else None
-            tokens = self.proposer.propose(seq, room, hidden).token_ids[:room]
+            if many is not None:
+                tokens = proposed[seq.seq_id][:room]
+            else:
+                tokens = self.proposer.propose(seq, room, self._take_hidden(seq)).token_ids[:room]
             if not tokens:
                 continue
             # Pages for the drafts' rows, if the pool has them free: a draft never preempts.
@@ -127,6 +144,9 @@ class Speculator:
             seq.token_ids.extend(tokens)
             batch.drafts[seq.seq_id] = list(tokens)
             budget -= len(tokens)
+
+    def _take_hidden(self, seq: Sequence) -> dict[int, torch.Tensor] | None:
+        return self.hidden.pop(seq.seq_id, None) if self.proposer.hidden_layers else None
 
     def keep_hidden(self, batch: StepBatch) -> None:
         """Keep, for the proposer's next call, the layer inputs of the rows ``batch``

@@ -94,28 +94,51 @@ class DSparkProposer:
     def propose(
         self, seq: Sequence, k: int, hidden: dict[int, torch.Tensor] | None = None
     ) -> Draft:
-        if hidden is not None:
-            self.observe(seq, hidden)
-        ring = self._rings.get(seq.seq_id)
-        k = min(k, self.drafter.block_size)
-        if ring is None or k < 1 or ring.positions.numel() == 0:
-            return Draft()  # no context yet (nothing the target ran for this sequence)
-        if self.backoff is not None and not self.backoff.should_draft(seq):
-            return Draft()
-        anchor, position = seq.token_ids[-1], seq.num_tokens - 1
-        # Only rows before the anchor are context (a sequence cut back keeps the rest out).
-        before = ring.positions < position
-        rings = {l: kv[before] for l, kv in ring.kv.items()}
-        draft = self.drafter.draft(anchor, position, rings, self.model.embed, self.model.head)
-        self.last = draft
-        tokens = draft.tokens[:k].tolist()
-        if self.min_confidence is not None:
-            low = (draft.confidence[:k] < self.min_confidence).nonzero()
-            if low.numel():
-                tokens = tokens[: int(low[0])]
-        if self.backoff is not None:
-            self.backoff.drafted(seq, tokens)
-        return Draft(tokens)
+        return self.propose_many([(seq, k, hidden)])[0]
+
+    @torch.no_grad()
+    def propose_many(
+        self, asks: list[tuple[Sequence, int, dict[int, torch.Tensor] | None]]
+    ) -> list[Draft]:
+        """``propose`` for several sequences, their rounds as one drafter forward (the
+        drafter's linears and experts then run once per step, not once per sequence)."""
+        drafts = [Draft() for _ in asks]
+        rounds: list[int] = []  # the asks that draft this step
+        rings: list[dict[int, torch.Tensor]] = []
+        for i, (seq, k, hidden) in enumerate(asks):
+            if hidden is not None:
+                self.observe(seq, hidden)
+            ring = self._rings.get(seq.seq_id)
+            if ring is None or min(k, self.drafter.block_size) < 1 or ring.positions.numel() == 0:
+                continue  # no context yet (nothing the target ran for this sequence)
+            if self.backoff is not None and not self.backoff.should_draft(seq):
+                continue
+            # Only rows before the anchor are context (a sequence cut back keeps the rest out).
+            before = ring.positions < seq.num_tokens - 1
+            rings.append({l: kv[before] for l, kv in ring.kv.items()})
+            rounds.append(i)
+        if not rounds:
+            return drafts
+        seqs = [asks[i][0] for i in rounds]
+        out = self.drafter.draft_many(
+            [s.token_ids[-1] for s in seqs],
+            [s.num_tokens - 1 for s in seqs],
+            rings,
+            self.model.embed,
+            self.model.head,
+        )
+        self.last = out[-1]
+        for i, draft in zip(rounds, out, strict=True):
+            seq, k = asks[i][0], min(asks[i][1], self.drafter.block_size)
+            tokens = draft.tokens[:k].tolist()
+            if self.min_confidence is not None:
+                low = (draft.confidence[:k] < self.min_confidence).nonzero()
+                if low.numel():
+                    tokens = tokens[: int(low[0])]
+            if self.backoff is not None:
+                self.backoff.drafted(seq, tokens)
+            drafts[i] = Draft(tokens)
+        return drafts
 
     def release(self, seq: Sequence) -> None:
         self._rings.pop(seq.seq_id, None)

@@ -55,3 +55,7 @@ class Proposer(Protocol):
     def release(self, seq: Sequence) -> None:
         """Forget ``seq`` (finished, aborted or preempted); idempotent."""
         ...
+
+    # Optional: ``propose_many(asks: list[(seq, k, hidden)]) -> list[Draft]``, the
+    # drafts of every decode of a step at once (engine/core/speculation.py asks it
+    # once per step where a proposer has it; DSpark's runs one drafter forward).

@@ -17,12 +17,19 @@ from engine.model.deepseek_v41.sink_attention import sink_attention
 
 
 class DraftBlockKV:
-    """One round of one sequence: ``positions`` [B] of the block rows and
-    ``rings[layer_id]`` [S, head_dim] (RoPE'd context KV, S <= window)."""
+    """The rounds of N sequences at once: ``positions`` [N * B] of the block rows,
+    sequence-major (sequence i's block is rows ``i*B .. i*B + B - 1``), and per
+    sequence ``rings[i][layer_id]`` [S_i, head_dim] (RoPE'd context KV, S_i <= window).
+    A block row sees its own sequence's ring and block only (a block-diagonal mask
+    over the concatenated keys), so a batch of one is the single round exactly."""
 
-    def __init__(self, positions: torch.Tensor, rings: dict[int, torch.Tensor]) -> None:
+    def __init__(
+        self, positions: torch.Tensor, rings: list[dict[int, torch.Tensor]], block_size: int
+    ) -> None:
+        assert positions.shape[0] == len(rings) * block_size
         self._positions = positions
         self._rings = rings
+        self._block_size = block_size
         self._block: dict[int, torch.Tensor] = {}
 
     @property
@@ -75,8 +82,16 @@ class DraftBlockKV:
     ) -> torch.Tensor:
         assert source_id is None and selection is None, "DSpark stages are SWA only"
         block = self._block[layer_id]
-        keys = torch.cat([self._rings[layer_id].to(block.dtype), block])
-        mask = torch.ones(q.shape[0], keys.shape[0], dtype=torch.bool, device=q.device)
+        rings = [ring[layer_id].to(block.dtype) for ring in self._rings]
+        keys = torch.cat([*rings, block])
+        n, device = len(rings), q.device
+        # Which sequence each query row and each key belongs to.
+        row_owner = torch.arange(n, device=device).repeat_interleave(self._block_size)
+        ring_sizes = torch.tensor([r.shape[0] for r in rings], device=device)
+        key_owner = torch.cat(
+            [torch.arange(n, device=device).repeat_interleave(ring_sizes), row_owner]
+        )
+        mask = row_owner[:, None] == key_owner[None, :]
         return sink_attention(q, keys, mask, sink, scale)
 
     def logit_rows(self) -> torch.Tensor | None:

@@ -122,20 +122,23 @@ class DSparkDrafter(nn.ModuleList):
 
     def forward(
         self,
-        anchor: int,
-        position: int,
-        rings: dict[int, torch.Tensor],
+        anchors: list[int],
+        positions: list[int],
+        rings: list[dict[int, torch.Tensor]],
         embed: nn.Embedding,
         head: nn.Linear,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(base logits [B, V] in the compute dtype, collapsed pre-norm hidden [B, D]) of
-        the block after ``anchor`` at ``position``, attending over ``rings``."""
-        hc = self.config.hc_mult
-        ids = self.block_ids(anchor, embed.weight.device)
-        positions = torch.arange(position, position + self.block_size, device=ids.device)
+        """(base logits [N * B, V] in the compute dtype, collapsed pre-norm hidden
+        [N * B, D]) of the blocks after ``anchors[i]`` at ``positions[i]``, each
+        attending over its own ``rings[i]``: N rounds as one forward, rows
+        sequence-major (the drafter's linears and experts run once for the batch)."""
+        hc, b = self.config.hc_mult, self.block_size
+        device = embed.weight.device
+        ids = torch.cat([self.block_ids(a, device) for a in anchors])
+        rows = torch.cat([torch.arange(p, p + b, device=device) for p in positions])
         R = embed(ids).unsqueeze(1).expand(-1, hc, -1).contiguous()
         pre = hc_initial_pre(R.shape[0], hc, R.device)
-        kv = DraftBlockKV(positions, rings)
+        kv = DraftBlockKV(rows, rings, b)
         for stage in self.stages:
             R, pre = stage(R, pre, None, kv, Selections())
         h = hc_collapse(R, pre)
@@ -153,18 +156,35 @@ class DSparkDrafter(nn.ModuleList):
         embed: nn.Embedding,
         head: nn.Linear,
     ) -> BlockDraft:
-        """The greedy block: slot by slot, base logits plus the predecessor's Markov bias."""
-        base, h = self(anchor, position, rings, embed, head)
+        """The greedy block of one sequence (``draft_many`` of one)."""
+        return self.draft_many([anchor], [position], [rings], embed, head)[0]
+
+    @torch.no_grad()
+    def draft_many(
+        self,
+        anchors: list[int],
+        positions: list[int],
+        rings: list[dict[int, torch.Tensor]],
+        embed: nn.Embedding,
+        head: nn.Linear,
+    ) -> list[BlockDraft]:
+        """Each sequence's greedy block: slot by slot, base logits plus the
+        predecessor's Markov bias, the N sequences' slots side by side."""
+        base, h = self(anchors, positions, rings, embed, head)
+        n, b = len(anchors), self.block_size
+        base = base.view(n, b, -1)
         last = self.stages[-1]
         assert last.markov_head is not None and last.confidence_head is not None
-        prev = torch.tensor([anchor], dtype=torch.long, device=base.device)
+        prev = torch.tensor(anchors, dtype=torch.long, device=base.device)
         tokens, logits, codes = [], [], []
-        for j in range(self.block_size):
+        for j in range(b):
             code = last.markov_head.code(prev)
-            row = base[j : j + 1] + last.markov_head.bias(code)
+            row = base[:, j] + last.markov_head.bias(code)
             prev = row.argmax(dim=-1)
             tokens.append(prev)
             logits.append(row)
             codes.append(code)
-        confidence = last.confidence_head(h, torch.cat(codes))
-        return BlockDraft(torch.cat(tokens), torch.cat(logits), confidence)
+        code_rows = torch.stack(codes, dim=1).reshape(n * b, -1)  # sequence-major, as h
+        confidence = last.confidence_head(h, code_rows).view(n, b)
+        token_rows, logit_rows = torch.stack(tokens, dim=1), torch.stack(logits, dim=1)
+        return [BlockDraft(token_rows[i], logit_rows[i], confidence[i]) for i in range(n)]

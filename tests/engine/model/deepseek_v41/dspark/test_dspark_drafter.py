@@ -71,13 +71,37 @@ def test_markov_bias_follows_the_predecessor(model64: DeepseekV41) -> None:
     last = drafter.stages[-1]
     assert last.markov_head is not None
     empty = {l: torch.zeros(0, cfg.head_dim, dtype=torch.float64) for l in drafter.layer_ids}
-    base, _ = drafter(5, 0, empty, model64.embed, model64.head)
+    base, _ = drafter([5], [0], [empty], model64.embed, model64.head)
     out = drafter.draft(5, 0, empty, model64.embed, model64.head)
     prev = [5, *out.tokens.tolist()[:-1]]
     w = model64.state_dict()
     for j, p in enumerate(prev):
         bias = w["mtp.1.markov_head.head.weight"] @ w["mtp.1.markov_head.embed.weight"][p]
         torch.testing.assert_close(out.logits[j], base[j] + bias, rtol=1e-9, atol=1e-9)
+
+
+def test_a_batch_of_rounds_is_each_round_alone(model64: DeepseekV41) -> None:
+    """``draft_many`` over three sequences (rings of 0, 4 and 9 rows, other anchors and
+    positions) gives each sequence's ``draft`` alone: the block-diagonal mask keeps a
+    row to its own ring and block (float64)."""
+    cfg, drafter = model64.config, model64.dspark
+    assert drafter is not None
+    gen = torch.Generator().manual_seed(3)
+
+    def ring(rows: int) -> dict[int, torch.Tensor]:
+        return {
+            l: torch.randn(rows, cfg.head_dim, generator=gen, dtype=torch.float64)
+            for l in drafter.layer_ids
+        }
+
+    rings, anchors, positions = [ring(0), ring(4), ring(9)], [5, 11, 40], [0, 4, 9]
+    many = drafter.draft_many(anchors, positions, rings, model64.embed, model64.head)
+    for i, got in enumerate(many):
+        alone = drafter.draft(anchors[i], positions[i], rings[i], model64.embed, model64.head)
+        assert got.tokens.tolist() == alone.tokens.tolist()
+        torch.testing.assert_close(got.logits, alone.logits, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(got.confidence, alone.confidence, rtol=1e-10, atol=1e-10)
+    assert many[0].tokens.tolist() != many[2].tokens.tolist()  # the rounds do differ
 
 
 def test_config_refusals() -> None:
