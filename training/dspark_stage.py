@@ -21,7 +21,6 @@ demo's 8: the drafter must cost little next to the target).
 
 from __future__ import annotations
 
-import json
 import platform
 import time
 from collections.abc import Callable
@@ -30,23 +29,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
 from engine.loader.checkpoint import load_checkpoint
-from engine.loader.checkpoint_writer import encode_tensor
-from engine.loader.files import SINGLE_FILE
+from engine.loader.checkpoint_writer import encode_tensor, write_config
 from engine.model.deepseek_v41.config import ModelConfig
 from engine.model.deepseek_v41.model import DeepseekV41
 from engine.model.registry import spec_of
 from training.corpus import Play, load_corpus
-from training.demo import TRAINING_FILE
 from training.dspark_distill import DistillConfig, Rollout, acceptance, attach_drafter, distill
 from training.dspark_prompts import PromptMix, draw_prompts
 from training.dspark_rollouts import engine_rollouts
+from training.stage_checkpoint import record_stage, replace_tensors
 
 DRAFTER_PREFIX = "mtp."
+STAGE = "dspark_stage"  # its record's key in training.json
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,27 +126,12 @@ def write_drafter_checkpoint(
 ) -> None:
     """``out_dir``: ``demo_dir``'s other tensors byte for byte plus the drafter, the
     config with the drafter's fields, ``training.json`` with ``record`` under ``dspark_stage``."""
-    with safe_open(str(demo_dir / SINGLE_FILE), "pt") as f:
-        tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
-        metadata = f.metadata()
-    tensors = {n: t for n, t in tensors.items() if not n.startswith(DRAFTER_PREFIX)}
-    tensors |= drafter_tensors(model, config)
-    training = json.loads((demo_dir / TRAINING_FILE).read_text(encoding="utf-8"))
-    out_dir.mkdir(parents=True, exist_ok=True)
+    replace_tensors(demo_dir, out_dir, (DRAFTER_PREFIX,), drafter_tensors(model, config))
     if demo_dir.resolve() != out_dir.resolve():
         for name in ("tokenizer.json", "tokenizer_config.json"):
             (out_dir / name).write_bytes((demo_dir / name).read_bytes())
-    save_file(tensors, str(out_dir / SINGLE_FILE), metadata=metadata)
-    with open(out_dir / "config.json", "w", encoding="utf-8") as f:
-        spec = spec_of(config)
-        json.dump(
-            config.to_dict() | {"model_type": spec.model_type}, f, indent=2, ensure_ascii=False
-        )
-        f.write("\n")
-    training["dspark_stage"] = record
-    with open(out_dir / TRAINING_FILE, "w", encoding="utf-8") as f:
-        json.dump(training, f, indent=1)
-        f.write("\n")
+    write_config(out_dir, config)
+    record_stage(demo_dir, out_dir, STAGE, record)
 
 
 def served_acceptance(out_dir: Path, held: list[Rollout], k: int) -> tuple[float, list[float]]:
@@ -221,7 +203,7 @@ def build_dspark_stage(
     record["heldout_acceptance_per_position"] = [round(x, 4) for x in served[1]]
     record["wall_seconds"] = round(time.monotonic() - started, 1)
     # The served figures are known only after writing: the record is written again.
-    write_drafter_checkpoint(out_dir, out_dir, config, model, record)
+    record_stage(out_dir, out_dir, STAGE, record)
     say(
         f"dspark stage: acceptance length {served[0]:.3f} at K={cfg.k} on held-out prompts "
         f"(fp32 {trained[0]:.3f}, untrained {before[0]:.3f}); wrote {out_dir}"

@@ -33,14 +33,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
-from safetensors.torch import save_file
 from tokenizers import Tokenizer
 from torch import nn
 
 from engine.loader.checkpoint import load_checkpoint
-from engine.loader.checkpoint_writer import encode_tensor
-from engine.loader.files import SINGLE_FILE
+from engine.loader.checkpoint_writer import encode_tensor, write_config
 from engine.model.deepseek_v41.config import ModelConfig
 from engine.model.deepseek_v41.engram import build_compressed_vocab
 from engine.model.deepseek_v41.model import DeepseekV41
@@ -50,6 +47,7 @@ from engine.model.kv.dense_backend import DenseKV
 from engine.model.registry import spec_of
 from engine.model.semantics.replay import ReplayPlan
 from training.image_token import with_image_token
+from training.stage_checkpoint import record_stage, replace_tensors
 from training.vision_chat import image_chat
 from training.vision_data import BACKGROUNDS, COLOURS, SHAPES, png_bytes, qa_turns, render_scene
 from training.vision_eval import EXACT_KV, HELDOUT_SEED_BASE, score_pictures
@@ -60,7 +58,6 @@ DEMO_VISION = VisionConfig(
     num_hidden_layers=2, hidden_size=64, num_attention_heads=2, intermediate_size=128
 )
 VISION_PREFIXES = ("vision.", "aligner.", "image_")
-TRAINING_FILE = "training.json"
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,27 +269,12 @@ def write_seeing_checkpoint(
     """``out_dir``: the text tensors of ``demo_dir`` byte for byte, plus the tower;
     the config with ``vision_config``; the tokenizer with the placeholder;
     ``training.json`` with ``record`` under ``vision_stage``."""
-    with safe_open(str(demo_dir / SINGLE_FILE), "pt") as f:
-        tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
-        metadata = f.metadata()
-    tensors = {n: t for n, t in tensors.items() if not n.startswith(VISION_PREFIXES)}
-    tensors |= tower_tensors(model, config)
-    training = json.loads((demo_dir / TRAINING_FILE).read_text(encoding="utf-8"))
+    replace_tensors(demo_dir, out_dir, VISION_PREFIXES, tower_tensors(model, config))
     if demo_dir.resolve() != out_dir.resolve():
-        out_dir.mkdir(parents=True, exist_ok=True)
         shutil.copy(demo_dir / "tokenizer_config.json", out_dir / "tokenizer_config.json")
-    save_file(tensors, str(out_dir / SINGLE_FILE), metadata=metadata)
-    spec = spec_of(config)
-    with open(out_dir / "config.json", "w", encoding="utf-8") as f:
-        json.dump(
-            config.to_dict() | {"model_type": spec.model_type}, f, indent=2, ensure_ascii=False
-        )
-        f.write("\n")
+    write_config(out_dir, config)
     Tokenizer.from_str(json.dumps(tokenizer_data)).save(str(out_dir / "tokenizer.json"))
-    training["vision_stage"] = record
-    with open(out_dir / TRAINING_FILE, "w", encoding="utf-8") as f:
-        json.dump(training, f, indent=1)
-        f.write("\n")
+    record_stage(demo_dir, out_dir, "vision_stage", record)
 
 
 def build_vision_stage(

@@ -102,6 +102,17 @@ def _remove_old_weights(out: Path) -> None:
             old.unlink()
 
 
+def write_config(out_dir: Path, config: ModelConfig, spec: ModelSpec | None = None) -> None:
+    """``out_dir/config.json``: ``config`` with the ``model_type`` of ``spec`` (None: the
+    registry entry of ``config``'s class)."""
+    spec = spec or spec_of(config)
+    with open(Path(out_dir) / "config.json", "w", encoding="utf-8") as f:
+        json.dump(
+            config.to_dict() | {"model_type": spec.model_type}, f, indent=2, ensure_ascii=False
+        )
+        f.write("\n")
+
+
 def save_checkpoint(
     model: nn.Module,
     config: ModelConfig,
@@ -128,11 +139,7 @@ def save_checkpoint(
         )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / "config.json", "w", encoding="utf-8") as f:
-        json.dump(
-            config.to_dict() | {"model_type": spec.model_type}, f, indent=2, ensure_ascii=False
-        )
-        f.write("\n")
+    write_config(out, config, spec)
     _remove_old_weights(out)
     state = dict(model.state_dict())
     # Packed weights (routed experts, engine/model/deepseek_v41/routed_experts.py; FP8 linears,
