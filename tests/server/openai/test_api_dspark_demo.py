@@ -1,6 +1,7 @@
 """The API over the demo with ``--speculative-config`` dspark (its trained drafter): a
 greedy chat reply over HTTP is the one the API gives without speculation, and the
-drafts were made and accepted (the drafter is trained, docs/BENCHMARKS.md).
+drafts were made and accepted (the drafter is trained, docs/BENCHMARKS.md). The
+committed demo carries its drafter: a demo without one fails here, as it should.
 
 The app runs in process over a real engine (``create_app`` on an ``AsyncEngine``,
 requests through the ASGI client): a served subprocess would start torch twice
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
 from fastapi.testclient import TestClient
 
 from engine.api.async_engine import AsyncEngine
@@ -28,14 +28,6 @@ BODY = {
     "max_tokens": 24,
     "temperature": 0,
 }
-
-pytestmark = pytest.mark.skipif(
-    json.loads((DEMO / "config.json").read_text(encoding="utf-8"))["text_config"].get(
-        "num_nextn_predict_layers", 0
-    )
-    == 0,
-    reason="models/demo has no DSpark drafter",
-)
 
 
 def _reply(speculative_config: str | None) -> tuple[str, int, int]:
