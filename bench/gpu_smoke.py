@@ -132,17 +132,28 @@ def greedy_run(checkpoint: Path, device: str, prompts: list[list[int]], steps: i
 
 
 @contextlib.contextmanager
-def kernel_mode(mode: str) -> Iterator[None]:
-    """``FLASHSERVE_KERNELS`` set for one pass (kernels/dispatch.py reads it per call)."""
-    saved = os.environ.get(ENV_VAR)
+def kernel_env(mode: str, ops: str | None = None) -> Iterator[None]:
+    """``FLASHSERVE_KERNELS=mode`` (and ``FLASHSERVE_TRITON_OPS=ops``, else unset) for one
+    pass; kernels/dispatch.py reads both on every call."""
+    saved = {name: os.environ.get(name) for name in (ENV_VAR, OPS_VAR)}
     os.environ[ENV_VAR] = mode
+    os.environ.pop(OPS_VAR, None)
+    if ops is not None:
+        os.environ[OPS_VAR] = ops
     try:
         yield
     finally:
-        if saved is None:
-            os.environ.pop(ENV_VAR, None)
-        else:
-            os.environ[ENV_VAR] = saved
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def step_prompts(lengths: tuple[int, ...]) -> list[list[int]]:
+    """Step 2's prompts: seeded random ids of the given lengths."""
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(3, 120000, (n,), generator=gen).tolist() for n in lengths]
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
@@ -171,14 +182,13 @@ def run_engine(device: str, steps: int, lengths: tuple[int, ...] = PROMPT_LENGTH
     the PyTorch reference ops, once with the Triton kernels (``auto``). The CPU
     against the device reference is GEMM rounding alone; the device reference
     against the Triton pass is the kernels' own share."""
-    gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 120000, (n,), generator=gen).tolist() for n in lengths]
+    prompts = step_prompts(lengths)
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = make_tiny(Path(tmp) / "tiny", seed=0)
         cpu = greedy_run(checkpoint, "cpu", prompts, steps)
-        with kernel_mode("reference"):
+        with kernel_env("reference"):
             ref = greedy_run(checkpoint, device, prompts, steps)
-        with kernel_mode("auto"):
+        with kernel_env("auto"):
             dev = greedy_run(checkpoint, device, prompts, steps)
     rows = []
     for rid in cpu["tokens"]:
@@ -225,24 +235,20 @@ def attribute(device: str, steps: int, lengths: tuple[int, ...] = PROMPT_LENGTHS
     """``--attribute``: the tiny checkpoint on ``device`` with the reference ops, then
     once per Triton op with only that op on Triton (``FLASHSERVE_TRITON_OPS``): each
     op's own share of the Triton pass's deviation, per prompt."""
-    gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 120000, (n,), generator=gen).tolist() for n in lengths]
+    prompts = step_prompts(lengths)
     out: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = make_tiny(Path(tmp) / "tiny", seed=0)
-        with kernel_mode("reference"):
+        with kernel_env("reference"):
             ref = greedy_run(checkpoint, device, prompts, steps)
         for op in OPS:
-            os.environ[OPS_VAR] = op
             try:
-                with kernel_mode("auto"):
+                with kernel_env("auto", ops=op):
                     run = greedy_run(checkpoint, device, prompts, steps)
             except Exception:
                 print(f"   {op}: FAILED\n{traceback.format_exc()}", flush=True)
                 out[op] = {"error": traceback.format_exc(limit=3)}
                 continue
-            finally:
-                os.environ.pop(OPS_VAR, None)
             out[op] = {rid: compare(rid, ref, run) for rid in ref["tokens"]}
             cells = ", ".join(
                 f"{rid} {c['first_step_max_dlogit']:.1e} ({c['first_step_relative']:.1e})"
