@@ -21,7 +21,7 @@ import torch
 
 from engine.core.sequence import Sequence
 from engine.model.base import CausalLM
-from engine.model.deepseek_v41.dspark.drafter import BlockDraft, DSparkDrafter
+from engine.model.deepseek_v41.dspark.drafter import DSparkDrafter
 from engine.spec_decode.backoff import RejectionBackoff
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.proposer import Draft
@@ -64,7 +64,6 @@ class DSparkProposer:
         self.backoff = RejectionBackoff() if backoff else None
         self.hidden_layers: tuple[int, ...] = drafter.target_layer_ids
         self._rings: dict[int, ContextRing] = {}
-        self.last: BlockDraft | None = None  # the newest round (tests, metrics)
 
     @torch.no_grad()
     def observe(self, seq: Sequence, hidden: dict[int, torch.Tensor]) -> None:
@@ -127,7 +126,6 @@ class DSparkProposer:
             self.model.embed,
             self.model.head,
         )
-        self.last = out[-1]
         for i, draft in zip(rounds, out, strict=True):
             seq, k = asks[i][0], min(asks[i][1], self.drafter.block_size)
             tokens = draft.tokens[:k].tolist()
