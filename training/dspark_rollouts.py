@@ -71,15 +71,6 @@ def engine_continuations(
     return [out[f"r{i}"] for i in range(len(prompts))]
 
 
-def dense_features(
-    model: DeepseekV41, tokens: list[int]
-) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
-    """One dense forward over ``tokens``: the target layers' block inputs [len, hc, D]
-    and the greedy choice at every row [len]."""
-    feats, logits = block_inputs(model, tokens)
-    return feats, logits.argmax(dim=-1)
-
-
 def engine_rollouts(
     model: DeepseekV41,
     prompts: list[list[int]],
@@ -95,10 +86,10 @@ def engine_rollouts(
     rollouts, mismatches, rows = [], 0, 0
     for prompt, tail in zip(prompts, continuations, strict=True):
         tokens = list(prompt) + tail
-        feats, choice = dense_features(model, tokens)
+        feats, logits = block_inputs(model, tokens)
         # Row i's greedy choice is token i + 1: compare over the continuation.
         start = len(prompt)
-        dense = choice[start - 1 : len(tokens) - 1].tolist()
+        dense = logits[start - 1 : len(tokens) - 1].argmax(dim=-1).tolist()
         mismatches += sum(a != b for a, b in zip(dense, tail, strict=True))
         rows += len(tail)
         rollouts.append(Rollout(tokens, feats, start))
