@@ -50,7 +50,7 @@ def engine_continuations(
     config = EngineConfig(
         max_num_seqs=max_num_seqs,
         kv_cache_bytes=KV_CACHE_BYTES,
-        dtype=_dtype_name(model.embed.weight.dtype),
+        dtype=str(model.embed.weight.dtype).removeprefix("torch."),  # "float32", ...
     )
     # The drafter plays no part in the target's continuation; hide it so the engine
     # does not capture its context features.
@@ -94,8 +94,3 @@ def engine_rollouts(
         rows += len(tail)
         rollouts.append(Rollout(tokens, feats, start))
     return Rollouts(rollouts, mismatches, rows)
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    names = {torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "bfloat16"}
-    return names[dtype]
