@@ -75,6 +75,7 @@ class DSparkStageConfig:
     heldout_prompts: int = 48
     new_tokens: int = 64
     chat_fraction: float = 0.3
+    tool_fraction: float = 0.2
     k: int = 4
     seed: int = 0
     # Steps: a cap; the budget (``max_seconds``, from ``--dspark-minutes``) decides.
@@ -102,7 +103,9 @@ def rollouts_for(
     cfg: DSparkStageConfig,
     seed: int,
 ) -> tuple[list[Rollout], dict[str, int]]:
-    prompts = draw_prompts(tokenizer, plays, PromptMix(count, cfg.chat_fraction), seed)
+    prompts = draw_prompts(
+        tokenizer, plays, PromptMix(count, cfg.chat_fraction, cfg.tool_fraction), seed
+    )
     made = engine_rollouts(model, prompts, cfg.new_tokens, max_num_seqs=64, tokenizer=tokenizer)
     return made.rollouts, {"prompts": count, "mismatches": made.mismatches, "rows": made.rows}
 
