@@ -287,11 +287,6 @@ class EngineConfig:
             raise ValueError("several nodes need a --master-port they all know")
         if self.speculative_config is not None:
             self.speculative()  # a malformed JSON fails at start, not at the first step
-            if self.world_size > 1:
-                raise ValueError(
-                    "--speculative-config is served by one process only for now: drop "
-                    "--tensor-parallel-size / --data-parallel-size or the speculative config"
-                )
 
     @property
     def world_size(self) -> int:

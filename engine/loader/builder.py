@@ -23,6 +23,7 @@ from engine.loader.tokenizer import TOKENIZER_FILE, load_tokenizer, packaged_tok
 from engine.model.base import CausalLM
 from engine.model.kv.dense_backend import KVPrecision
 from engine.model.registry import model_spec
+from engine.spec_decode.proposer import Proposer
 from kvstore.device.layout import kv_layout
 from kvstore.local import open_local_kv
 
@@ -172,7 +173,37 @@ def build_parallel_engine(config: EngineConfig, model: str | Path) -> LLMEngine:
     own = path / TOKENIZER_FILE
     tokenizer = load_tokenizer(own if own.is_file() else None)
     torch.manual_seed(config.seed)
-    return _warmed(LLMEngine(config, runner, kv, model_config=mc, tokenizer=tokenizer))
+    try:
+        proposer = _parallel_proposer(config, path)
+        engine = LLMEngine(
+            config, runner, kv, model_config=mc, tokenizer=tokenizer, proposer=proposer
+        )
+    except BaseException:
+        runner.close()
+        raise
+    return _warmed(engine)
+
+
+def _parallel_proposer(config: EngineConfig, path: Path) -> Proposer | None:
+    """The proposer of parallel serving, in the engine core: ``ngram`` needs no model;
+    ``dspark`` runs the checkpoint's drafter here, on the target's layer inputs that
+    the workers send back (docs/design/parallelism.md, "Speculative decoding"), so
+    the core loads the drafter and the target's embedding and head, nothing else."""
+    spec = config.speculative()
+    if spec is None:
+        return None
+    from engine.spec_decode.build import build_proposer
+
+    if spec.method != "dspark":
+        return build_proposer(spec, None)
+    from engine.loader.checkpoint import load_drafter
+
+    drafter = load_drafter(
+        path, dtype=config.torch_dtype, device=config.device, quantization=config.quantization
+    )
+    if drafter is not None and config.torch_dtype == torch.float64:
+        drafter = drafter.double()  # as the workers' model: an exact run mixes no precisions
+    return build_proposer(spec, drafter)
 
 
 def _warmed(engine: LLMEngine) -> LLMEngine:

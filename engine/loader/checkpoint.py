@@ -12,9 +12,10 @@ checkpoint's tokenizer. The decision table of formats is in docs/design/checkpoi
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -31,7 +32,7 @@ from engine.loader.plan import (
 from engine.loader.tokenizer import TOKENIZER_FILE, load_tokenizer
 from engine.loader.tp_shards import check_tp_packed
 from engine.loader.weight_stream import stream_into
-from engine.model.base import CausalLM
+from engine.model.base import CausalLM, DrafterHost
 from engine.model.deepseek_v41.config import ModelConfig
 from engine.model.deepseek_v41.engram import build_compressed_vocab, tables_on_meta
 from engine.model.deepseek_v41.fp8_linear import pack_linears
@@ -41,6 +42,8 @@ from engine.model.registry import read_config, spec_of
 from engine.model.weights import WeightFormat, WeightRules, scale_name
 
 logger = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=nn.Module)
 
 # ``engram_mmap=None`` maps the Engram tables when their stored bytes exceed
 # this: the release's (~197 GB) stay on disk, tiny and demo tables load as
@@ -123,6 +126,51 @@ def load_checkpoint(
         else:
             logger.warning("%s has no %s: Engram token classes left unset", path, TOKENIZER_FILE)
     return config, model
+
+
+def load_drafter(
+    path: str | Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    quantization: str = "auto",
+) -> DrafterHost | None:
+    """The checkpoint's speculative drafter and what it borrows of the target, none of
+    the target's layers (``ModelSpec.drafter_class``): the engine core's drafter under
+    parallel serving, where the workers hold the target (docs/design/parallelism.md).
+    None when the checkpoint stores no drafter tensor; formats and packing as
+    ``load_checkpoint``'s."""
+    check_quantization(quantization)
+    path = Path(path)
+    spec, config = read_config(path)
+    if spec.drafter_class is None:
+        raise ValueError(f"model type {spec.model_type!r} has no speculative drafter")
+    files = weight_map(path)
+    if not any(spec.weights.is_drafter(n) for n in files):
+        return None
+    with Shards(files) as shards:
+        experts_packed = quantization == "auto" and experts_stored_packed(
+            files, shards, spec.weights
+        )
+    host = _build(spec.drafter_class, config, dtype, device, False, experts_packed)
+    packed_linears: list[str] = []
+    if quantization == "auto":
+        with Shards(files) as shards:
+            names = packable_weights(
+                list(host.state_dict(keep_vars=True)), files, shards, spec.weights
+            )
+        packed_linears = pack_linears(host, names)
+    # Whatever lies outside the host's modules is the target's (the workers' share).
+    kept = tuple(f"{name}." for name, _ in host.named_children())
+
+    def left_out(name: str) -> str | None:
+        return None if name.startswith(kept) else "target"
+
+    options = LoadOptions(spec, dtype, False, frozenset(packed_linears), SINGLE, left_out)
+    with Shards(files) as shards, torch.no_grad():
+        plan = plan_reads(host, files, shards, options)
+    stream_into(plan.reads, files, progress=False, label=str(path))
+    return host
 
 
 def _left_out(
@@ -237,14 +285,14 @@ def empty_model(
 
 
 def _build(
-    model_class: type[CausalLM],
+    model_class: Callable[[ModelConfig, Parallel], M],
     config: ModelConfig,
     dtype: torch.dtype,
     device: str | torch.device,
     engram_tables_on_meta: bool,
     experts_packed: bool,
     parallel: Parallel = SINGLE,
-) -> CausalLM:
+) -> M:
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:

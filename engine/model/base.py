@@ -79,3 +79,13 @@ class CausalLM(nn.Module, ABC):
     ) -> torch.Tensor:
         """fp32 logits of ``kv.logit_rows()`` for the rows ``input_ids``; ``image_embeds``:
         the rows of its image positions (a model with a vision tower)."""
+
+
+class DrafterHost(nn.Module):
+    """A model's speculative drafter with what it borrows of the target (the embedding
+    and the head) and none of the target's layers: the engine core's drafter under
+    parallel serving (``ModelSpec.drafter_class``, ``load_drafter``)."""
+
+    config: ModelConfig
+    embed: nn.Embedding
+    head: nn.Linear

@@ -22,8 +22,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.model.base import CausalLM
+from engine.model.base import CausalLM, DrafterHost
 from engine.model.deepseek_v41.config import ConfigError, ModelConfig
+from engine.model.parallel import Parallel
 from engine.model.weights import WeightRules
 
 # model_type -> the module whose ``SPEC`` describes it.
@@ -78,6 +79,10 @@ class ModelSpec:
     params: ParamRules
     weights: WeightRules
     loading: LoadHooks
+    # The speculative drafter with what it borrows of the target and none of its layers
+    # (``load_drafter``: the engine core's under parallel serving); None: no drafter.
+    # Built as ``drafter_class(config)``; holds the checkpoint's names.
+    drafter_class: Callable[[ModelConfig, Parallel], DrafterHost] | None = None
 
 
 def register(spec: ModelSpec) -> None:

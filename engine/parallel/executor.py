@@ -6,9 +6,13 @@ sends the step's sequences to the T x D workers (``engine/parallel/worker.py``) 
 waits for their answers. What travels per step (``engine/parallel/worker_protocol.py``):
 each sequence's block table, plan (stored tokens, layer starts) and the tokens
 its worker has not seen yet; the rows of the step; the sequences whose runner
-state to drop. What comes back: the logits rows of the sampled sequences (from
-each DP group's TP rank 0) and prompt-token scores. Every rank of a DP group
-gets the same message, so the TP ranks of a group hold the same KV bytes.
+state to drop; a verifying decode's drafts, apart from its committed tokens. What
+comes back: the logits rows of the sampled sequences (``[k + 1, vocab]`` for a
+decode verifying ``k`` drafts), prompt-token scores and, for a drafter that reads
+the target's layer inputs (``capture_hidden``), those rows (all from each DP
+group's TP rank 0). Every rank of a DP group gets the same message, so the TP
+ranks of a group hold the same KV bytes. Sampling stays in the core, so every
+rank sees the same accepted tokens (docs/design/parallelism.md, "Speculative decoding").
 
 Failure: the core polls its socket with a timeout and checks its local worker
 processes and the workers' connections between polls; a worker that exits,
@@ -40,6 +44,7 @@ from engine.api.image_wire import wire_image
 from engine.api.request import TokenLogprob
 from engine.config import EngineConfig
 from engine.core.sequence import Sequence
+from engine.core.speculation import Hidden
 from engine.core.step import StepBatch
 from engine.parallel import worker_protocol as wire
 from engine.parallel.dp_kv import DataParallelKV
@@ -153,6 +158,11 @@ class ParallelExecutor:
         self._where: dict[int, int] = {}  # seq id -> DP rank that holds its state
         self._released: dict[int, list[int]] = {}
         self._scores: dict[int, list[TokenLogprob]] = {}
+        # Speculation with a drafter here that reads the target's layer inputs: the layers
+        # to capture (sent with the next step), and the last step's rows.
+        self._capture: list[int] = []
+        self._capture_sent = False
+        self._hidden: Hidden = {}
         self._failed: str | None = None
         self.times = StepTimes(forward=[0.0] * self.world, comm=[0.0] * self.world)
         try:
@@ -186,6 +196,17 @@ class ParallelExecutor:
         scores, self._scores = self._scores, {}
         return scores
 
+    def capture_hidden(self, layers: tuple[int, ...]) -> None:
+        """Have each DP group's TP rank 0 keep the inputs of ``layers`` from the next step
+        on and send them back (``take_hidden``): ``PagedModelRunner``'s surface, for a
+        drafter that runs in the core (engine/core/speculation.py)."""
+        self._capture, self._capture_sent = list(layers), False
+
+    def take_hidden(self) -> Hidden:
+        """seq_id -> layer -> (first position, its input rows) of the last step."""
+        hidden, self._hidden = self._hidden, {}
+        return hidden
+
     def execute(self, batch: StepBatch) -> dict[int, torch.Tensor]:
         if self._failed is not None:
             raise WorkerFailure(self._failed)
@@ -194,11 +215,14 @@ class ParallelExecutor:
         groups = [_Group() for _ in range(self.dp)]
         any_rows = False
         for seq in batch.decodes:
-            g = groups[self._state(seq, groups)]
+            drafts = batch.drafts.get(seq.seq_id, [])
+            g = groups[self._state(seq, groups, len(drafts))]
             g.decodes.append(seq.seq_id)
+            if drafts:
+                g.drafts.append((seq.seq_id, drafts))
             any_rows = True
         for c in batch.prefills:
-            g = groups[self._state(c.seq, groups)]
+            g = groups[self._state(c.seq, groups, 0)]
             g.prefills.append((c.seq.seq_id, c.start, c.end, c.last))
             any_rows |= c.end > c.start
         fetching: list[tuple[list[list[tuple[bytes, int]]], dict[int, bytes]]] = []
@@ -214,10 +238,14 @@ class ParallelExecutor:
                 any_rows,
                 restore,
                 [p for segment in segments for _, p in segment],
+                g.drafts,
+                [] if self._capture_sent else self._capture,
             )
             data = wire.ENCODER.encode(work)
             for tp in range(self.tp):
                 self._send(dp * self.tp + tp, data)
+        self._capture_sent = True
+        self._hidden = {}
         logits: dict[int, torch.Tensor] = {}
         pending = set(range(self.world))
         slowest = 0.0
@@ -239,8 +267,12 @@ class ParallelExecutor:
             self.times.comm[msg.rank] += msg.comm_seconds
             slowest = max(slowest, msg.seconds)
             for seq_id, row in msg.logits:
-                array = np.frombuffer(row, dtype=np.dtype(msg.logits_dtype))
-                logits[seq_id] = torch.from_numpy(array.copy())
+                array = np.frombuffer(row, dtype=np.dtype(msg.logits_dtype)).copy()
+                if seq_id in batch.drafts:  # a verify chunk: one row per draft and one more
+                    array = array.reshape(len(batch.drafts[seq_id]) + 1, -1)
+                logits[seq_id] = torch.from_numpy(array)
+            for h in msg.hidden:
+                self._hidden.setdefault(h.seq_id, {})[h.layer] = (h.first, wire.rows_of(h))
             for seq_id, scores in msg.prompt_scores:
                 self._scores.setdefault(seq_id, []).extend(scores)
             if msg.pages:
@@ -267,16 +299,20 @@ class ParallelExecutor:
         if self.kv.has_traffic():
             self.execute(StepBatch())
 
-    def _state(self, seq: Sequence, groups: list[_Group]) -> int:
-        """Put ``seq``'s state (token delta, table, plan) in its DP group's message."""
+    def _state(self, seq: Sequence, groups: list[_Group], drafts: int) -> int:
+        """Put ``seq``'s state (token delta, table, plan) in its DP group's message.
+        ``drafts``: the draft tokens at the end of ``seq.token_ids`` this step; they
+        travel in ``StepWork.drafts``, never in the delta, so a worker's mirror holds
+        exactly the committed tokens between steps."""
         dp = self._dp_of(seq.seq_id) if self.dp > 1 else 0
         self._where[seq.seq_id] = dp
         base = self._sent.get(seq.seq_id, 0)
+        committed = seq.num_tokens - drafts
         groups[dp].seqs.append(
             wire.SeqState(
                 seq_id=seq.seq_id,
                 token_base=base,
-                new_tokens=seq.token_ids[base:],
+                new_tokens=seq.token_ids[base:committed],
                 num_prompt_tokens=seq.num_prompt_tokens,
                 block_table=seq.block_table,
                 stored_tokens=seq.stored_tokens,
@@ -285,9 +321,10 @@ class ParallelExecutor:
                 prompt_logprobs=seq.prompt_logprobs,
                 prompt_scored=seq.prompt_scored,
                 images=[wire_image(i) for i in seq.images] if base == 0 else [],
+                num_computed=seq.num_computed,
             )
         )
-        self._sent[seq.seq_id] = seq.num_tokens
+        self._sent[seq.seq_id] = committed
         return dp
 
     # ------------------------------------------------------------ channel
@@ -363,3 +400,4 @@ class _Group:
     seqs: list[wire.SeqState] = field(default_factory=list)
     decodes: list[int] = field(default_factory=list)
     prefills: list[tuple[int, int, int, bool]] = field(default_factory=list)
+    drafts: list[tuple[int, list[int]]] = field(default_factory=list)

@@ -9,7 +9,9 @@ of the core's layout and its own SWA rings, and connects to the core's step
 socket. Per ``StepWork`` it mirrors the step's sequences, runs
 ``PagedModelRunner.execute`` on them (the same code as one process) and
 answers ``StepDone``; a DP rank with no rows of its own joins the MoE layers'
-collectives with none (``DeepseekV41.idle_layers``).
+collectives with none (``DeepseekV41.idle_layers``). A verifying decode's drafts
+are appended to its mirrored tokens for the step and taken off after it: the
+mirror holds the committed tokens only, as the core's sampler decides them.
 
 A worker exits when the core says ``Stop``, when its connection to the core
 drops (the core died), when its parent process is gone, or when a step fails
@@ -151,24 +153,39 @@ class _Rank:
             seq.prefill_only = st.prefill_only
             seq.prompt_logprobs = st.prompt_logprobs
             seq.prompt_scored = st.prompt_scored
+            seq.num_computed = st.num_computed
+        if work.capture and self.leader:
+            self.runner.capture_hidden(tuple(work.capture))
         batch = StepBatch(
             prefills=[PrefillChunk(self.seqs[s], a, b, last) for s, a, b, last in work.prefills],
             decodes=[self.seqs[s] for s in work.decodes],
+            drafts=dict(work.drafts),
         )
         t0 = time.perf_counter()
         _COMM[0] = 0.0
         runs = any(c.end > c.start for c in batch.prefills) or bool(batch.decodes)
         logits: dict[int, torch.Tensor] = {}
-        if runs:
-            logits = self.runner.execute(batch)
-        elif work.any_rows:
-            self.model.idle_layers()
+        for seq_id, drafts in work.drafts:  # for this step only: drafts are not committed
+            self.seqs[seq_id].token_ids.extend(drafts)
+        try:
+            if runs:
+                logits = self.runner.execute(batch)
+            elif work.any_rows:
+                self.model.idle_layers()
+        finally:
+            for seq_id, drafts in work.drafts:
+                del self.seqs[seq_id].token_ids[-len(drafts) :]
         scores = self.runner.take_prompt_logprobs()
         seconds = time.perf_counter() - t0
         if not self.leader:
             return wire.StepDone(
                 self.spec.rank, work.step, [], [], seconds=seconds, comm_seconds=_COMM[0]
             )
+        hidden = [
+            wire.hidden_rows(seq_id, layer, first, rows)
+            for seq_id, layers in self.runner.take_hidden().items()
+            for layer, (first, rows) in layers.items()
+        ]
         rows = [(s, t.cpu().numpy().tobytes()) for s, t in logits.items()]
         dtype = str(next(iter(logits.values())).cpu().numpy().dtype) if logits else "float32"
         return wire.StepDone(
@@ -180,6 +197,7 @@ class _Rank:
             logits_dtype=dtype,
             pages=fetched,
             comm_seconds=_COMM[0],
+            hidden=hidden,
         )
 
 

@@ -3,12 +3,14 @@
 One ZeroMQ ROUTER socket in the core, one DEALER per worker (tcp, so a worker
 on another node connects the same way). Per step the core sends each DP group
 one ``StepWork`` (the same bytes to each of its TP ranks) and every rank answers
-one ``StepDone``; only a group's TP rank 0 carries logits and prompt scores.
+one ``StepDone``; only a group's TP rank 0 carries logits, prompt scores and the
+drafter's captured layer inputs (docs/design/parallelism.md, "Speculative decoding").
 """
 
 from __future__ import annotations
 
 import msgspec
+import torch
 
 from engine.api.image_wire import WireImage
 from engine.api.request import TokenLogprob
@@ -60,6 +62,9 @@ class SeqState(msgspec.Struct, array_like=True):
     # The prompt's images, with a new mirror only (token_base 0): each rank runs the
     # vision tower itself (replicated, docs/design/images.md).
     images: list[WireImage] = []
+    # Rows the engine kept (``Sequence.num_computed``): a verify step's rejected rows
+    # are rolled back to it when the sequence runs again (engine/runner/verify_undo.py).
+    num_computed: int = 0
 
 
 class StepWork(msgspec.Struct, tag="step", array_like=True):
@@ -73,6 +78,38 @@ class StepWork(msgspec.Struct, tag="step", array_like=True):
     # bytes it wants back (committed; read before anything this step writes).
     restore: list[tuple[int, bytes]] = []
     fetch: list[int] = []
+    # Speculative decoding: (seq id, draft tokens) of each decode that verifies this
+    # step. Drafts are not committed tokens: the worker appends them for the step only.
+    drafts: list[tuple[int, list[int]]] = []
+    # Layers whose block inputs the group's TP rank 0 captures from this step on
+    # (sent once, when the core's speculator asks; a drafter in the core reads them).
+    capture: list[int] = []
+
+
+class HiddenRows(msgspec.Struct, array_like=True):
+    """One sequence's input rows of one captured layer in the last step."""
+
+    seq_id: int
+    layer: int
+    first: int  # the position of the first row
+    shape: list[int]
+    dtype: str  # torch's name (bfloat16 has no numpy dtype)
+    data: bytes
+
+
+def hidden_rows(seq_id: int, layer: int, first: int, rows: torch.Tensor) -> HiddenRows:
+    rows = rows.detach().contiguous().cpu()
+    data = rows.view(torch.uint8).numpy().tobytes()
+    return HiddenRows(
+        seq_id, layer, first, list(rows.shape), str(rows.dtype).removeprefix("torch."), data
+    )
+
+
+def rows_of(h: HiddenRows) -> torch.Tensor:
+    dtype = getattr(torch, h.dtype)
+    if not h.data:
+        return torch.empty(h.shape, dtype=dtype)
+    return torch.frombuffer(bytearray(h.data), dtype=dtype).view(h.shape)
 
 
 class Stop(msgspec.Struct, tag="stop", array_like=True):
@@ -92,6 +129,7 @@ class StepDone(msgspec.Struct, tag="done", array_like=True):
     logits_dtype: str = "float32"  # numpy's name (float64 in exact runs)
     pages: list[tuple[int, bytes]] = []  # the fetched pages' bytes (TP rank 0)
     comm_seconds: float = 0.0  # of ``seconds``, inside collectives (FLASHSERVE_TIME_COLLECTIVES=1)
+    hidden: list[HiddenRows] = []  # the captured layers' input rows (TP rank 0)
 
 
 FromWorker = Hello | StepDone

@@ -16,15 +16,25 @@ State is dense per sequence (CPU); see docs/design/dspark.md for the GPU plan.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
+from torch import nn
 
 from engine.core.sequence import Sequence
-from engine.model.base import CausalLM
 from engine.model.deepseek_v41.dspark.drafter import DSparkDrafter
 from engine.spec_decode.backoff import RejectionBackoff
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.proposer import Draft
+
+
+class DraftingModel(Protocol):
+    """What the proposer reads of a model: its drafter (``dspark``, looked up by name)
+    and the target's embedding and head. A ``CausalLM`` in one process; under
+    parallel serving the core's drafter host (dspark/host.py), without the target's layers."""
+
+    embed: nn.Embedding
+    head: nn.Linear
 
 
 @dataclass(slots=True)
@@ -42,7 +52,7 @@ class DSparkProposer:
 
     def __init__(
         self,
-        model: CausalLM,
+        model: DraftingModel,
         spec: SpeculativeConfig,
         min_confidence: float | None = None,
         backoff: bool = True,

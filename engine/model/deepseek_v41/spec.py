@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from engine.model.deepseek_v41.config import ModelConfig
+from engine.model.deepseek_v41.dspark.host import DSparkHost
 from engine.model.deepseek_v41.engram import Engram
 from engine.model.deepseek_v41.engram_table import MappedEngramTable, tensor_span
 from engine.model.deepseek_v41.model import DeepseekV41
@@ -71,4 +72,5 @@ SPEC = ModelSpec(
     ),
     weights=WEIGHTS,
     loading=LoadHooks(packed_slices=packed_expert_slices, map_table=map_engram_table),
+    drafter_class=DSparkHost,
 )

@@ -152,8 +152,9 @@ def test_the_flag_parses_and_refuses_what_cannot_run():
         EngineConfig(speculative_config="{method: ngram}")
     with pytest.raises(ValueError, match="unknown keys"):
         EngineConfig(speculative_config=spec_config(2, draft_model="x"))
-    with pytest.raises(ValueError, match="one process only"):
-        EngineConfig(speculative_config=spec_config(2), tensor_parallel_size=2)
+    # Served on worker ranks too (tests/engine/test_parallel_speculation.py).
+    parallel = EngineConfig(speculative_config=spec_config(2), tensor_parallel_size=2)
+    assert parallel.speculative() == SpeculativeConfig("ngram", 2)
 
 
 def test_a_checkpoint_without_a_drafter_is_refused(engine_model):
