@@ -11,6 +11,8 @@ every captured operation is row-wise, so padding never reaches a real row.
 A verify step (decodes carrying speculative drafts) is the same: its ``n`` is
 the sum of ``k + 1`` over its sequences, and the eager attention side runs each
 verify chunk as the eager forward does (``max_step_rows`` sizes the buckets).
+A drafter that reads layer inputs gets them at the piece boundaries, where the
+eager side runs (``forward``'s ``layer_input``), since a replay calls no hook.
 
 Pieces (``L`` layers, ``L + 1`` graphs per bucket):
 
@@ -35,6 +37,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
@@ -224,6 +227,9 @@ class DecodeGraphs:
         attn = block.attn
         pos = s.get("pos", b)
         if block.engram is not None:
+            # The block's input before Engram's gate, which the slot ``R`` no longer
+            # holds: what a drafter reading this layer gets (``block_input``).
+            s.put("R_in", R)
             image = self._image_rows(b)
             live = None if image is None else ~image
             R = block.engram.apply_rows(R, s.get(f"engram{layer_id}", b), live)
@@ -277,18 +283,30 @@ class DecodeGraphs:
             h = model.norm(hc_collapse(R, pre))
             self.slots.put("logits", F.linear(upcast(h), upcast(model.head.weight, h)))
 
+    def block_input(self, layer_id: int, n: int) -> torch.Tensor:
+        """Layer ``layer_id``'s input ``R`` [n, hc, D] (what ``Block.forward`` receives),
+        between its pre-attention piece and the next: a view of a slot, valid until the
+        next replay."""
+        engram = self.model.block(layer_id).engram is not None
+        return self.slots.get("R_in" if engram else "R", n)
+
     # ------------------------------------------------------------ a step
     def fits(self, rows: int) -> bool:
         return 0 < rows <= self.max_rows and bool(self.graphs)
 
     @torch.no_grad()
-    def forward(self, kv: PagedKV) -> torch.Tensor:
+    def forward(
+        self, kv: PagedKV, layer_input: Callable[[int, torch.Tensor], None] | None = None
+    ) -> torch.Tensor:
         """fp32 logits [n, vocab] of a decode-only step's ``n`` rows: one per plain decode,
         ``k + 1`` per verify chunk (the eager forward's ``logit_rows`` of such a step are
         all its rows, in order). The pieces are row-wise, so a verify chunk's rows need
         only their own ids, positions and Engram rows, filled below from ``kv`` as for a
         decode; the eager attention side reads its windows, groups and undo from ``kv``'s
-        segments exactly as the eager forward does."""
+        segments exactly as the eager forward does.
+
+        ``layer_input(l, R)``: called with each layer's input rows (``block_input``)
+        before its attention, for a drafter that reads them (a replay calls no hook)."""
         n = kv.positions.shape[0]
         b = bucket_for(n, self.sizes)
         if b is None or b not in self.graphs:
@@ -307,6 +325,8 @@ class DecodeGraphs:
         graphs[0].replay()
         sel = Selections()
         for l in range(len(model.layers)):
+            if layer_input is not None:
+                layer_input(l, self.block_input(l, n))
             s.fill("o", b, self._attention(l, n, kv, sel))
             graphs[l + 1].replay()
         self.steps += 1

@@ -32,6 +32,8 @@ the per-request SWA rings and compressor rows it allocates (``RequestStatePool``
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from engine.api.request import TokenLogprob
@@ -88,8 +90,8 @@ class PagedModelRunner:
         self._hidden: HiddenCapture | None = None
 
     def capture_hidden(self, layers: tuple[int, ...]) -> None:
-        """Keep the inputs of ``layers`` for a drafter (``take_hidden``); steps then run
-        eagerly (a captured graph replays no hook)."""
+        """Keep the inputs of ``layers`` for a drafter (``take_hidden``): a hook on the
+        eager forward, the piece boundaries on the decode graphs."""
         self._hidden = HiddenCapture(self.model, layers)
 
     def take_hidden(self) -> dict[int, dict[int, tuple[int, torch.Tensor]]]:
@@ -139,17 +141,16 @@ class PagedModelRunner:
             self.config.sliding_window,
             self.device,
         )
-        graphs = self.graphs
+        graphs, hidden = self.graphs, self._hidden
         if (
             graphs is not None
             and len(segments) == len(batch.decodes)
-            and self._hidden is None
             and graphs.fits(kv.positions.shape[0])
         ):
             # A decode-only step (verify chunks included) in a captured bucket: a decode
             # or draft row is never inside a span (a sampled placeholder takes its plain
             # embedding, as captured).
-            logits = graphs.forward(kv)
+            logits = graphs.forward(kv, None if hidden is None else partial(hidden.keep, kv=kv))
         else:
             embeds = image_embeds(
                 self.model, self.encoder_cache, [(s.seq, s.start, s.end) for s in segments]

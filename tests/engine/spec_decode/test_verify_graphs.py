@@ -25,6 +25,7 @@ from engine.runner.cuda_graphs import DecodeGraphs, max_step_rows
 from engine.runner.graph_capture import RecordingGraphBackend
 from engine.spec_decode.build import build_proposer
 from engine.spec_decode.config import SpeculativeConfig
+from engine.spec_decode.dspark_proposer import DSparkProposer
 
 # The logits of a graph step against the eager step: the CPU kernels round a row
 # differently when the row count around it changes (padding to the bucket), ~1e-15
@@ -85,13 +86,36 @@ def model64(engine_model64):
 
 
 @pytest.fixture(scope="module")
-def scripted_runs(model64):
-    """Plain (eager), speculative eager and speculative on graphs (buckets 4 and 12: a
-    step verifies at most 2 + 3 + 4 = 9 rows)."""
+def graphs64(model64):
+    """Buckets 4 and 12: three sequences verify at most 2 + 3 + 4 = 9 rows a step."""
+    return captured(model64, (4, 12))
+
+
+def keep_every_layer_input(recorder) -> list[dict]:
+    """Capture every layer's input (``capture_hidden``) and keep what each step gave."""
+    inner = recorder.inner
+    inner.capture_hidden(tuple(range(len(inner.model.layers))))
+    taken: list[dict] = []
+    execute = inner.execute
+
+    def step(batch):
+        out = execute(batch)
+        taken.append(inner.take_hidden())
+        return out
+
+    inner.execute = step
+    return taken
+
+
+@pytest.fixture(scope="module")
+def scripted_runs(model64, graphs64):
+    """Plain (eager), speculative eager and speculative on graphs; the speculative runs
+    keep every layer's input rows of every step (the Engram layers and the embedding's
+    included, which the tiny drafter's one target layer is not)."""
     streams: dict[tuple[str, int], list[int]] = {}
     caps = {rid: k for rid, (_, k) in REQUESTS.items()}
-    graphs = captured(model64, (4, 12))
-    runs = []
+    graphs = graphs64
+    runs, inputs = [], []
     for mode in ("plain", "eager", "graphs"):
         proposer = None if mode == "plain" else CappedProposer(streams, caps)
         engine, recorder, _ = make_engine(model64, "paged", proposer, prefill_chunk_tokens=64)
@@ -99,6 +123,8 @@ def scripted_runs(model64):
             recorder.inner.graphs = graphs
         else:
             static_eager(recorder)
+        if mode != "plain":
+            inputs.append(keep_every_layer_input(recorder))
         for rid, (ids, _) in REQUESTS.items():
             engine.add_request(Request(rid, ids, greedy(9)))
         outputs = run_to_completion(engine)
@@ -106,11 +132,12 @@ def scripted_runs(model64):
             for rid, (ids, _) in REQUESTS.items():
                 streams[rid, 0] = ids + token_stream(outputs[rid])
         runs.append((engine, recorder, outputs))
-    return runs, streams, graphs
+        engine.close()
+    return runs, streams, graphs, inputs
 
 
 def test_a_verify_step_on_graphs_equals_the_eager_verify_step(scripted_runs):
-    runs, _, graphs = scripted_runs
+    runs, _, graphs, _ = scripted_runs
     _, eager_rec, eager_out = runs[1]
     spec, graph_rec, graph_out = runs[2]
     verify = [b for b in graph_rec.batches if b.drafts and not b.prefills]
@@ -131,7 +158,7 @@ def test_a_verify_step_on_graphs_equals_the_eager_verify_step(scripted_runs):
 def test_verify_steps_on_graphs_commit_the_plain_tokens(scripted_runs):
     """The rejected rows' rollback (verify_undo.py) holds on graphs: every committed
     token has the plain run's logits, and no page is held at the end."""
-    runs, streams, _ = scripted_runs
+    runs, streams, _, _ = scripted_runs
     (_, plain_rec, plain_out), _, (spec, graph_rec, graph_out) = runs
     for (rid, i), stream in streams.items():
         assert token_stream(graph_out[rid]) == token_stream(plain_out[rid])
@@ -174,3 +201,47 @@ def test_ngram_on_graphs_gives_the_plain_tokens(looping64):
     verify = [b for b in recorder.batches if b.drafts and not b.prefills]
     rows = [len(b.decodes) + sum(map(len, b.drafts.values())) for b in verify]
     assert 0 < graphs.verify_steps == sum(r <= 6 for r in rows) < len(rows)
+
+
+def test_graph_steps_give_a_drafter_the_eager_layer_inputs(scripted_runs):
+    """Hidden capture on graphs (the piece boundaries) against the eager forward's
+    pre-hooks: the same sequences, layers and first positions each step, the same rows
+    to the graph tolerance, verify chunks included."""
+    _, _, graphs, (eager, graph) = scripted_runs
+    assert graphs.verify_steps > 0 and len(graph) == len(eager)
+    for got, want in zip(graph, eager, strict=True):
+        assert got.keys() == want.keys()
+        for seq_id, layers in want.items():
+            assert got[seq_id].keys() == layers.keys()
+            for layer, (first, rows) in layers.items():
+                assert got[seq_id][layer][0] == first
+                torch.testing.assert_close(got[seq_id][layer][1], rows, rtol=0, atol=GRAPH_ATOL)
+
+
+def test_dspark_on_graphs_drafts_as_eager_and_gives_the_plain_tokens(model64, graphs64):
+    """The tiny model's random drafter (backoff off: it drafts every decode) with graphs
+    on: the plain run's tokens, and the drafts of the eager speculative run step by
+    step (the drafter's input is the target layer's rows the graph steps hand over)."""
+    spec = SpeculativeConfig("dspark", 3)
+    flag = json.dumps({"method": "dspark", "num_speculative_tokens": 3})
+    prompts = {"a": prompt(37, 5), "b": prompt(20, 6)}
+    before = graphs64.verify_steps
+    streams, drafts = [], []
+    for mode in ("plain", "eager", "graphs"):
+        proposer = None if mode == "plain" else DSparkProposer(model64, spec, backoff=False)
+        config = {} if proposer is None else {"speculative_config": flag}
+        engine, recorder, _ = make_engine(
+            model64, "paged", proposer, prefill_chunk_tokens=16, **config
+        )
+        if mode == "graphs":
+            recorder.inner.graphs = graphs64
+        for rid, ids in prompts.items():
+            engine.add_request(Request(rid, ids, greedy(8)))
+        outputs = run_to_completion(engine)
+        engine.close()
+        streams.append({rid: token_stream(outputs[rid]) for rid in prompts})
+        drafts.append([(dict(b.drafts), bool(b.prefills)) for b in recorder.batches])
+    assert streams[0] == streams[1] == streams[2]
+    assert drafts[1] == drafts[2] and sum(len(d) for d, _ in drafts[2]) >= 2 * 6
+    # Every decode-only step that verified ran on the graphs.
+    assert graphs64.verify_steps - before == sum(bool(d) and not p for d, p in drafts[2]) > 0
