@@ -95,6 +95,7 @@ def engine_for_model(
     kv, pages = open_local_kv(
         layout, config.kv_cache_bytes, config.device, config.kv_dir, config.kv_dir_bytes
     )
+    spec = config.speculative()
     runner: ModelRunner
     if config.runner == "reference":
         from engine.runner.reference_runner import ReferenceRunner
@@ -106,13 +107,19 @@ def engine_for_model(
             encoder_cache_bytes=config.encoder_cache_bytes,
         )
     else:
-        from engine.runner.cuda_graphs import decode_graphs_for
+        from engine.runner.cuda_graphs import decode_graphs_for, max_step_rows
         from engine.runner.model_runner import PagedModelRunner
 
         graphs = decode_graphs_for(
             model,
             config.device,
-            config.max_num_seqs,
+            # Verify steps replay the graphs too: buckets up to their rows.
+            max_step_rows(
+                config.max_num_seqs,
+                spec.num_speculative_tokens if spec is not None else 0,
+                spec.max_batch_size if spec is not None else None,
+                config.max_num_batched_tokens,
+            ),
             enforce_eager=config.enforce_eager,
             sizes=config.cuda_graph_sizes,
         )
@@ -123,7 +130,6 @@ def engine_for_model(
             graphs,
             encoder_cache_bytes=config.encoder_cache_bytes,
         )
-    spec = config.speculative()
     proposer = None
     if spec is not None:
         from engine.spec_decode.build import build_proposer

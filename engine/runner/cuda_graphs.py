@@ -8,6 +8,11 @@ the MoE, the head) depends only on the row count, and is captured once per
 bucket. A step of ``n`` decode rows runs on the smallest bucket ``b >= n``:
 rows ``n..b`` are padding (token 0 at position 0, zero attention output), and
 every captured operation is row-wise, so padding never reaches a real row.
+A verify step (decodes carrying speculative drafts) is the same: its ``n`` is
+the sum of ``k + 1`` over its sequences, and the eager attention side runs each
+verify chunk as the eager forward does (``max_step_rows`` sizes the buckets).
+A drafter that reads layer inputs gets them at the piece boundaries, where the
+eager side runs (``forward``'s ``layer_input``), since a replay calls no hook.
 
 Pieces (``L`` layers, ``L + 1`` graphs per bucket):
 
@@ -32,6 +37,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
@@ -54,24 +60,47 @@ logger = logging.getLogger(__name__)
 _SMALL = (1, 2, 4)
 
 
-def default_capture_sizes(max_num_seqs: int) -> list[int]:
-    """vLLM-like buckets up to ``max_num_seqs``, which is always one (every batch fits)."""
-    sizes = [s for s in _SMALL if s <= max_num_seqs]
-    sizes += list(range(8, min(max_num_seqs, 256) + 1, 8))
-    sizes += list(range(272, max_num_seqs + 1, 16))
-    return sorted(set(sizes) | {max_num_seqs})
+def max_step_rows(
+    max_num_seqs: int,
+    num_speculative_tokens: int = 0,
+    max_batch_size: int | None = None,
+    max_num_batched_tokens: int | None = None,
+) -> int:
+    """The most rows a decode-only step can run: one per sequence, and with speculation
+    up to ``K + 1`` per sequence while at most ``max_batch_size`` run (above it nobody
+    drafts), the drafts' rows within the step's ``max_num_batched_tokens``
+    (engine/core/speculation.py shares that budget out). The default buckets go up to
+    it, so every verify step the engine can schedule has one, as every decode batch does."""
+    if num_speculative_tokens <= 0:
+        return max_num_seqs
+    drafting = min(max_num_seqs, max_batch_size or max_num_seqs)
+    verify = drafting * (num_speculative_tokens + 1)
+    if max_num_batched_tokens is not None:
+        verify = min(verify, max(max_num_batched_tokens, drafting))
+    return max(max_num_seqs, verify)
 
 
-def capture_sizes(max_num_seqs: int, sizes: Seq[int] | None = None) -> list[int]:
+def default_capture_sizes(max_rows: int) -> list[int]:
+    """vLLM-like buckets up to ``max_rows``, which is always one (every step fits)."""
+    sizes = [s for s in _SMALL if s <= max_rows]
+    sizes += list(range(8, min(max_rows, 256) + 1, 8))
+    sizes += list(range(272, max_rows + 1, 16))
+    return sorted(set(sizes) | {max_rows})
+
+
+def capture_sizes(max_rows: int, sizes: Seq[int] | None = None) -> list[int]:
     """The buckets to capture: ``sizes`` (``--cuda-graph-sizes``) or the defaults,
-    sorted, without duplicates, none above ``max_num_seqs``."""
+    sorted, without duplicates, none above ``max_rows`` (``max_step_rows``)."""
     if sizes is None:
-        return default_capture_sizes(max_num_seqs)
+        return default_capture_sizes(max_rows)
     if not sizes or any(s < 1 for s in sizes):
         raise ValueError(f"cuda graph sizes must be positive integers, got {list(sizes)}")
-    kept = sorted({s for s in sizes if s <= max_num_seqs})
+    kept = sorted({s for s in sizes if s <= max_rows})
     if not kept:
-        raise ValueError(f"no cuda graph size {sorted(sizes)} is <= max_num_seqs {max_num_seqs}")
+        raise ValueError(
+            f"no cuda graph size {sorted(sizes)} is <= {max_rows}, the most rows of a decode "
+            "step (max_num_seqs, times K + 1 with speculation)"
+        )
     return kept
 
 
@@ -138,6 +167,7 @@ class DecodeGraphs:
         self.graphs: dict[int, list[Graph]] = {}
         self.capture_seconds = 0.0
         self.steps = 0  # decode steps run through graphs
+        self.verify_steps = 0  # those of them with a verify chunk
         self.padded_rows = 0  # padding rows those steps computed
         self._engram_layers = [b.layer_id for b in model.blocks if b.engram is not None]
 
@@ -197,6 +227,9 @@ class DecodeGraphs:
         attn = block.attn
         pos = s.get("pos", b)
         if block.engram is not None:
+            # The block's input before Engram's gate, which the slot ``R`` no longer
+            # holds: what a drafter reading this layer gets (``block_input``).
+            s.put("R_in", R)
             image = self._image_rows(b)
             live = None if image is None else ~image
             R = block.engram.apply_rows(R, s.get(f"engram{layer_id}", b), live)
@@ -250,13 +283,30 @@ class DecodeGraphs:
             h = model.norm(hc_collapse(R, pre))
             self.slots.put("logits", F.linear(upcast(h), upcast(model.head.weight, h)))
 
+    def block_input(self, layer_id: int, n: int) -> torch.Tensor:
+        """Layer ``layer_id``'s input ``R`` [n, hc, D] (what ``Block.forward`` receives),
+        between its pre-attention piece and the next: a view of a slot, valid until the
+        next replay."""
+        engram = self.model.block(layer_id).engram is not None
+        return self.slots.get("R_in" if engram else "R", n)
+
     # ------------------------------------------------------------ a step
     def fits(self, rows: int) -> bool:
         return 0 < rows <= self.max_rows and bool(self.graphs)
 
     @torch.no_grad()
-    def forward(self, kv: PagedKV) -> torch.Tensor:
-        """fp32 logits [n, vocab] of a decode-only step's ``n`` rows (one per sequence)."""
+    def forward(
+        self, kv: PagedKV, layer_input: Callable[[int, torch.Tensor], None] | None = None
+    ) -> torch.Tensor:
+        """fp32 logits [n, vocab] of a decode-only step's ``n`` rows: one per plain decode,
+        ``k + 1`` per verify chunk (the eager forward's ``logit_rows`` of such a step are
+        all its rows, in order). The pieces are row-wise, so a verify chunk's rows need
+        only their own ids, positions and Engram rows, filled below from ``kv`` as for a
+        decode; the eager attention side reads its windows, groups and undo from ``kv``'s
+        segments exactly as the eager forward does.
+
+        ``layer_input(l, R)``: called with each layer's input rows (``block_input``)
+        before its attention, for a drafter that reads them (a replay calls no hook)."""
         n = kv.positions.shape[0]
         b = bucket_for(n, self.sizes)
         if b is None or b not in self.graphs:
@@ -275,9 +325,12 @@ class DecodeGraphs:
         graphs[0].replay()
         sel = Selections()
         for l in range(len(model.layers)):
+            if layer_input is not None:
+                layer_input(l, self.block_input(l, n))
             s.fill("o", b, self._attention(l, n, kv, sel))
             graphs[l + 1].replay()
         self.steps += 1
+        self.verify_steps += any(seg.verify for seg in kv.segments)
         self.padded_rows += b - n
         return s.get("logits", n).clone()
 
@@ -307,13 +360,14 @@ class _Piece:
 def decode_graphs_for(
     model: CausalLM,
     device: str | torch.device,
-    max_num_seqs: int,
+    max_rows: int,
     *,
     enforce_eager: bool,
     sizes: Seq[int] | None = None,
 ) -> DecodeGraphs | None:
     """Captured decode graphs when they apply: a CUDA device, not ``--enforce-eager``,
-    a decoder model on one rank. None otherwise (the eager forward runs every step)."""
+    a decoder model on one rank. None otherwise (the eager forward runs every step).
+    ``max_rows``: the most rows of a decode-only step (``max_step_rows``), the buckets' cap."""
     device = torch.device(device)
     if enforce_eager or device.type != "cuda" or model.encoder_only:
         return None
@@ -321,7 +375,7 @@ def decode_graphs_for(
     if p.tp_size > 1 or p.ep_size > 1:
         logger.info("CUDA graphs: not captured under tensor/expert parallelism; decode is eager")
         return None
-    buckets = capture_sizes(max_num_seqs, sizes)
+    buckets = capture_sizes(max_rows, sizes)
     graphs = DecodeGraphs(model, buckets, CudaGraphBackend(device), device)
     try:
         seconds = graphs.capture()

@@ -12,7 +12,11 @@ model's one forward (``CausalLM.forward``) over the paged KV backend
 - a verify chunk (a decode row and its ``k`` drafts) is a chunk of ``k + 1`` rows
   that runs every layer and returns the logits of each; the rows the engine then
   drops are undone in the request state before the sequence runs again
-  (engine/runner/verify_undo.py). Verify steps run eagerly, never in a CUDA graph.
+  (engine/runner/verify_undo.py).
+
+A decode-only step (plain decodes and verify chunks) replays the captured CUDA
+graphs when its row count has a bucket (``cuda_graphs.py``); the eager attention
+side between the pieces reads and undoes a verify chunk as the eager forward does.
 
 The dense oracle is the same forward over ``engine/model/kv/dense_backend.py``;
 the engine tests hold the two together.
@@ -27,6 +31,8 @@ the per-request SWA rings and compressor rows it allocates (``RequestStatePool``
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 
@@ -84,8 +90,8 @@ class PagedModelRunner:
         self._hidden: HiddenCapture | None = None
 
     def capture_hidden(self, layers: tuple[int, ...]) -> None:
-        """Keep the inputs of ``layers`` for a drafter (``take_hidden``); steps then run
-        eagerly (a captured graph replays no hook)."""
+        """Keep the inputs of ``layers`` for a drafter (``take_hidden``): a hook on the
+        eager forward, the piece boundaries on the decode graphs."""
         self._hidden = HiddenCapture(self.model, layers)
 
     def take_hidden(self) -> dict[int, dict[int, tuple[int, torch.Tensor]]]:
@@ -135,17 +141,16 @@ class PagedModelRunner:
             self.config.sliding_window,
             self.device,
         )
-        graphs = self.graphs
+        graphs, hidden = self.graphs, self._hidden
         if (
             graphs is not None
             and len(segments) == len(batch.decodes)
-            and not batch.drafts  # verify chunks run eagerly
-            and self._hidden is None
-            and graphs.fits(len(segments))
+            and graphs.fits(kv.positions.shape[0])
         ):
-            # A decode-only step in a captured bucket: a decode row is never inside a
-            # span (a sampled placeholder takes its plain embedding, as captured).
-            logits = graphs.forward(kv)
+            # A decode-only step (verify chunks included) in a captured bucket: a decode
+            # or draft row is never inside a span (a sampled placeholder takes its plain
+            # embedding, as captured).
+            logits = graphs.forward(kv, None if hidden is None else partial(hidden.keep, kv=kv))
         else:
             embeds = image_embeds(
                 self.model, self.encoder_cache, [(s.seq, s.start, s.end) for s in segments]
