@@ -80,7 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="train the text model too in the vision stage, at this peak rate (default: frozen)",
     )
     parser.add_argument(
-        "--vision-probe-steps", type=int, default=150, help="steps of the tower's probe"
+        "--vision-probe-steps", type=int, default=1500, help="steps of the tower's probe"
     )
 
 
@@ -133,7 +133,9 @@ def _vision_stage(out: Path, args: argparse.Namespace) -> int:
         text_lr=args.vision_text_lr,
         probe_steps=args.vision_probe_steps,
     )
-    build_vision_stage(out, out, cfg, say=lambda m: print(m, flush=True))
+    build_vision_stage(
+        out, out, cfg, say=lambda m: print(m, flush=True), corpus_dir=Path(args.cache_dir)
+    )
     return 0
 
 

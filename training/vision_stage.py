@@ -21,6 +21,7 @@ model's numbers are unchanged by construction.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import random
@@ -42,15 +43,29 @@ from engine.model.deepseek_v41.config import ModelConfig
 from engine.model.deepseek_v41.engram import build_compressed_vocab
 from engine.model.deepseek_v41.model import DeepseekV41
 from engine.model.deepseek_v41.vision.config import VisionConfig, with_vision
+from engine.model.deepseek_v41.vision.image_plan import ImagePlan
 from engine.model.deepseek_v41.vision.image_processor import process_image
+from engine.model.deepseek_v41.vision.span import SpanRole, span_roles
 from engine.model.kv.dense_backend import DenseKV
 from engine.model.registry import spec_of
 from engine.model.semantics.replay import ReplayPlan
+from training.corpus import load_corpus
+from training.data import SequenceSampler
 from training.image_token import with_image_token
 from training.stage_checkpoint import record_stage, replace_tensors
+from training.trainer import next_token_loss
 from training.vision_chat import image_chat
-from training.vision_data import BACKGROUNDS, COLOURS, SHAPES, png_bytes, qa_turns, render_scene
+from training.vision_data import (
+    BACKGROUNDS,
+    COLOURS,
+    SHAPES,
+    Scene,
+    png_bytes,
+    qa_turns,
+    render_scene,
+)
 from training.vision_eval import EXACT_KV, HELDOUT_SEED_BASE, score_pictures
+from training.weight_qat import quantised_weights
 
 # CPU-sized: 2 blocks of width 64 over the 39 x 39 patches of a 544 x 544 picture
 # (attention over 1,521 patches is most of the tower's time).
@@ -58,26 +73,36 @@ DEMO_VISION = VisionConfig(
     num_hidden_layers=2, hidden_size=64, num_attention_heads=2, intermediate_size=128
 )
 VISION_PREFIXES = ("vision.", "aligner.", "image_")
+# The drafter (DSpark, ``mtp.*``) never trains here: the DSpark stage distils it
+# afterwards from the model this stage writes.
+DRAFTER_PREFIX = "mtp."
+FROZEN_WITH_TEXT = (*VISION_PREFIXES, DRAFTER_PREFIX)
+REPLAY_EOS_WEIGHT = 3.0  # the demo's second text stage's
 
 
 @dataclass(frozen=True, slots=True)
 class VisionTrainConfig:
-    probe_steps: int = 150
+    probe_steps: int = 1500
     probe_lr: float = 3e-3
+    probe_weight: float = 0.5  # the probe's loss beside the chats' in stage 2
     steps: int = 600  # at most; a wall-clock budget (``max_seconds``) may stop it first
     max_seconds: float | None = 18 * 60.0
     lr: float = 3e-3
-    # None: the text model stays frozen. A rate: it trains too (at that peak rate, on
-    # the picture chats alone: its text numbers must then be measured again).
+    # None: the text model stays frozen. A rate: it trains too, at that peak rate,
+    # under quantisation-aware training (what is trained is what the checkpoint
+    # serves), with a text replay sequence beside each picture's chat so that it
+    # keeps its text (its numbers must then be measured again).
     text_lr: float | None = None
+    replay_len: int = 128  # tokens of the replay sequence (0: no replay)
+    replay_weight: float = 1.0
     warmup_steps: int = 20
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     turns: int = 3  # question-answer turns per picture
     thinking_fraction: float = 0.1  # chats in the thinking request's layout
-    image_last_fraction: float = 0.1  # pictures after the first question
-    eval_every: int = 600  # held-out checks cost a few minutes each on a shared CPU
+    image_last_fraction: float = 0.25  # pictures after the first question
+    eval_every: int = 250  # a held-out check of 12 pictures costs about half a minute
     eval_images: int = 12
     seed: int = 0
 
@@ -90,7 +115,7 @@ def seeing_model(
     Returns the config, the model (text frozen, tower trainable), the tokenizer and
     its ``tokenizer.json`` dict.
     """
-    text_config, text = load_checkpoint(demo_dir, quantization="none")
+    text_config, text = load_checkpoint(demo_dir, quantization="none", engram_mmap=False)
     data, image_id = with_image_token(
         json.loads((demo_dir / "tokenizer.json").read_text(encoding="utf-8"))
     )
@@ -140,32 +165,53 @@ def _step(
     opt.zero_grad(set_to_none=True)
 
 
+class SceneHeads(nn.Module):
+    """Linear heads from one aligner row to the scene's shape, colour and background."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.heads = nn.ModuleList(
+            nn.Linear(width, n) for n in (len(SHAPES), len(COLOURS), len(BACKGROUNDS))
+        )
+
+    def loss(self, cells: torch.Tensor, scene: Scene) -> torch.Tensor:
+        """Summed cross-entropy of every row's three guesses (mean over the rows)."""
+        truths = (
+            SHAPES.index(scene.shape),
+            list(COLOURS).index(scene.colour),
+            list(BACKGROUNDS).index(scene.background),
+        )
+        total = cells.new_zeros(())
+        for head, truth in zip(self.heads, truths, strict=True):
+            total = total + F.cross_entropy(head(cells), torch.full((len(cells),), truth))
+        return total
+
+
+def cell_rows(rows: torch.Tensor, plan: ImagePlan) -> torch.Tensor:
+    """The aligner rows among a span's ``rows`` (no start, newline or end)."""
+    return rows[span_roles(plan.n_llm_h, plan.n_llm_w) == SpanRole.CELL]
+
+
 def train_probe(
-    model: DeepseekV41, cfg: VisionTrainConfig, say: Callable[[str], None]
+    model: DeepseekV41, heads: SceneHeads, cfg: VisionTrainConfig, say: Callable[[str], None]
 ) -> list[dict[str, float]]:
-    """Stage 1: the ViT's pooled features -> shape, colour, background (linear heads)."""
-    assert model.vision is not None
-    vision = model.vision.vision
-    width = vision.hidden_size
-    heads = nn.ModuleList(
-        nn.Linear(width, n) for n in (len(SHAPES), len(COLOURS), len(BACKGROUNDS))
-    )
-    labels = (list(SHAPES), list(COLOURS), list(BACKGROUNDS))
-    params = [*model.vision.parameters(), *heads.parameters()]
+    """Stage 1: every aligner row -> shape, colour, background (``heads``).
+
+    Each row is classified, not their mean: the bidirectional ViT learns to spread
+    what the picture shows over every row, so the language model can read it from
+    any of them, the span's last rows (within its sliding window of the question)
+    included."""
+    assert model.vision is not None and model.aligner is not None
+    params = [*model.vision.parameters(), *model.aligner.parameters(), *heads.parameters()]
     opt = torch.optim.AdamW(params, lr=cfg.probe_lr, weight_decay=cfg.weight_decay)
     log: list[dict[str, float]] = []
     running = 0.0
     for step in range(cfg.probe_steps):
         image, scene = render_scene(step)
-        processed = process_image(png_bytes(image), vision)
+        processed = process_image(png_bytes(image), model.vision.vision)
         plan = processed.plan
-        pooled = model.vision(processed.patches, plan.n_vit_h, plan.n_vit_w).mean(0)
-        truth = (scene.shape, scene.colour, scene.background)
-        loss = sum(
-            F.cross_entropy(head(pooled)[None], torch.tensor([names.index(t)]))
-            for head, names, t in zip(heads, labels, truth, strict=True)
-        )
-        assert isinstance(loss, torch.Tensor)
+        features = model.vision(processed.patches, plan.n_vit_h, plan.n_vit_w)
+        loss = heads.loss(model.aligner(features, plan.n_vit_h, plan.n_vit_w), scene)
         loss.backward()
         loss = loss.detach()
         _step(opt, params, _lr(step, cfg.probe_steps, cfg, cfg.probe_lr), cfg.grad_clip)
@@ -177,13 +223,32 @@ def train_probe(
 
 
 def chat_loss(
-    model: DeepseekV41, ids: torch.Tensor, targets: torch.Tensor, rows: torch.Tensor
+    model: DeepseekV41, ids: torch.Tensor, targets: torch.Tensor, rows: torch.Tensor | None
 ) -> torch.Tensor:
-    """Mean cross-entropy of the reply ids, each predicted from the row before it."""
+    """Mean cross-entropy of the ids under ``targets``, each predicted from the row
+    before it (EOS weighted as the text stages weight it)."""
     kv = DenseKV(model.config, ids, ReplayPlan.exact(model.config), None, EXACT_KV, torch.float32)
     logits = model(ids, kv, image_embeds=rows)
     keep = targets[1:]
-    return F.cross_entropy(logits[:-1][keep], ids[1:][keep])
+    return next_token_loss(logits[:-1][keep], ids[1:][keep], REPLAY_EOS_WEIGHT)
+
+
+def replay_sampler(
+    tokenizer: Tokenizer, cfg: VisionTrainConfig, cache_dir: Path
+) -> SequenceSampler:
+    """Text sequences of the demo's second text stage's mix (json_warm_start's
+    ``SHIPPED_STAGE_2``: 40% chat, 10% tool calls, served ends, short replies)."""
+    corpus = load_corpus(cache_dir)
+    return SequenceSampler(
+        tokenizer,
+        corpus.train,
+        cfg.replay_len,
+        0.4,
+        cfg.seed,
+        0.1,
+        served_ends=True,
+        short_replies=0.5,
+    )
 
 
 def train_align(
@@ -191,16 +256,23 @@ def train_align(
     tokenizer: Tokenizer,
     cfg: VisionTrainConfig,
     say: Callable[[str], None],
+    replay: SequenceSampler | None = None,
+    heads: SceneHeads | None = None,
 ) -> list[dict[str, Any]]:
     """Stage 2: chats about pictures, through the language model (frozen unless
-    ``cfg.text_lr``)."""
+    ``cfg.text_lr``; then each step also takes a ``replay`` text sequence). The
+    probe's ``heads`` keep training beside it (``cfg.probe_weight``), so the rows
+    keep saying what the picture shows while the language model learns to read them."""
     assert model.vision is not None and model.image_token_id is not None
     vision = model.vision.vision
     tower = [p for n, p in model.named_parameters() if n.startswith(VISION_PREFIXES)]
-    text = [p for n, p in model.named_parameters() if not n.startswith(VISION_PREFIXES)]
+    if heads is not None:
+        tower += list(heads.parameters())
     groups: list[dict[str, Any]] = [{"params": tower, "peak": cfg.lr}]
     params = list(tower)
-    if cfg.text_lr is not None:
+    trains_text = cfg.text_lr is not None
+    if trains_text:
+        text = [p for n, p in model.named_parameters() if not n.startswith(FROZEN_WITH_TEXT)]
         for p in text:
             p.requires_grad_(True)
         groups.append({"params": text, "peak": cfg.text_lr})
@@ -227,33 +299,51 @@ def train_align(
             thinking=rng.random() < cfg.thinking_fraction,
             image_last=rng.random() < cfg.image_last_fraction,
         )
-        rows = model.encode_image(processed.patches, processed.plan)
-        loss = chat_loss(model, chat.ids, chat.targets, rows)
-        loss.backward()
+        # The text model's served (FP8 / MXFP4) values in the forward when it trains.
+        with quantised_weights(model) if trains_text else contextlib.nullcontext():
+            rows = model.encode_image(processed.patches, processed.plan)
+            loss = chat_loss(model, chat.ids, chat.targets, rows)
+            if heads is not None and cfg.probe_weight:
+                probe = heads.loss(cell_rows(rows, processed.plan).float(), scene)
+                (loss + cfg.probe_weight * probe).backward()
+            else:
+                loss.backward()
+            text_loss = None
+            if replay is not None and cfg.replay_len:
+                ids = replay.sample()
+                text_loss = chat_loss(model, ids, torch.ones_like(ids, dtype=torch.bool), None)
+                (cfg.replay_weight * text_loss).backward()
         loss = loss.detach()
         _step(opt, params, _lr(step, cfg.steps, cfg, cfg.lr, progress), cfg.grad_clip, cfg.lr)
         running = 0.95 * running + 0.05 * loss.item() if step else loss.item()
         entry: dict[str, Any] = {"step": step, "loss": round(running, 4)}
+        if text_loss is not None:
+            entry["replay_loss"] = round(text_loss.item(), 4)
         if (step + 1) % cfg.eval_every == 0 or last:
             seeds = range(HELDOUT_SEED_BASE, HELDOUT_SEED_BASE + cfg.eval_images)
-            score = score_pictures(model, tokenizer, vision, model.image_token_id, seeds)
+            with quantised_weights(model) if trains_text else contextlib.nullcontext():
+                score = score_pictures(model, tokenizer, vision, model.image_token_id, seeds)
             entry["heldout"] = score.to_dict()
             say(f"align {step}: loss {running:.3f} held-out {score.to_dict()}")
         if step % 50 == 0 or "heldout" in entry:
             log.append(entry)
             if "heldout" not in entry:
-                say(f"align {step}: loss {running:.3f}")
+                say(f"align {step}: loss {running:.3f} replay {entry.get('replay_loss')}")
         if last:
             break
     return log
 
 
-def tower_tensors(model: DeepseekV41, config: ModelConfig) -> dict[str, torch.Tensor]:
-    """The tower's tensors as stored (BF16, FP32 norms and span vectors: the name rules)."""
+def trained_tensors(
+    model: DeepseekV41, config: ModelConfig, text_too: bool
+) -> dict[str, torch.Tensor]:
+    """What the stage trained, as stored (the name rules: BF16 tower with FP32 norms
+    and span vectors; FP8 / MXFP4 text weights): the tower, and the text model when
+    ``text_too`` (never the drafter)."""
     rules = spec_of(config).weights
     out: dict[str, torch.Tensor] = {}
     for name, value in model.state_dict().items():
-        if name.startswith(VISION_PREFIXES):
+        if name.startswith(VISION_PREFIXES) or (text_too and not name.startswith(DRAFTER_PREFIX)):
             out |= encode_tensor(name, value, rules)
     return out
 
@@ -265,11 +355,16 @@ def write_seeing_checkpoint(
     model: DeepseekV41,
     tokenizer_data: dict[str, Any],
     record: dict[str, Any],
+    text_too: bool = False,
 ) -> None:
-    """``out_dir``: the text tensors of ``demo_dir`` byte for byte, plus the tower;
-    the config with ``vision_config``; the tokenizer with the placeholder;
-    ``training.json`` with ``record`` under ``vision_stage``."""
-    replace_tensors(demo_dir, out_dir, VISION_PREFIXES, tower_tensors(model, config))
+    """``out_dir``: the tower, plus ``demo_dir``'s text tensors byte for byte (the
+    trained ones when ``text_too``) and its drafter; the config with
+    ``vision_config``; the tokenizer with the placeholder; ``training.json`` with
+    ``record`` under ``vision_stage``."""
+    tensors = trained_tensors(model, config, text_too)
+    # Every name written anew replaces its old self (its scale rides along: an
+    # encoded weight's scale is in ``tensors`` too).
+    replace_tensors(demo_dir, out_dir, (*VISION_PREFIXES, *(tensors if text_too else ())), tensors)
     if demo_dir.resolve() != out_dir.resolve():
         shutil.copy(demo_dir / "tokenizer_config.json", out_dir / "tokenizer_config.json")
     write_config(out_dir, config)
@@ -284,6 +379,7 @@ def build_vision_stage(
     *,
     vision: VisionConfig = DEMO_VISION,
     say: Callable[[str], None] = print,
+    corpus_dir: Path = Path(".cache/corpus"),
 ) -> Path:
     """Train the tower on top of ``demo_dir``'s text model and write ``out_dir``."""
     started = time.monotonic()
@@ -291,8 +387,12 @@ def build_vision_stage(
     config, model, tokenizer, data = seeing_model(demo_dir, vision, cfg.seed)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     say(f"tower: {trainable / 1e6:.2f} M trainable parameters, image id {model.image_token_id}")
-    probe_log = train_probe(model, cfg, say)
-    align_log = train_align(model, tokenizer, cfg, say)
+    heads = SceneHeads(config.hidden_size)
+    probe_log = train_probe(model, heads, cfg, say)
+    replay = None
+    if cfg.text_lr is not None and cfg.replay_len:
+        replay = replay_sampler(tokenizer, cfg, corpus_dir)
+    align_log = train_align(model, tokenizer, cfg, say, replay, heads)
     record = {
         "command": "flashserve train-demo --stage vision",
         "vision_config": vision.to_dict(),
@@ -305,6 +405,8 @@ def build_vision_stage(
         "probe_log": probe_log,
         "align_log": align_log,
     }
-    write_seeing_checkpoint(demo_dir, out_dir, config, model, data, record)
+    write_seeing_checkpoint(
+        demo_dir, out_dir, config, model, data, record, text_too=cfg.text_lr is not None
+    )
     say(f"wrote {out_dir} in {record['wall_seconds']:.0f} s")
     return out_dir

@@ -1,5 +1,7 @@
-"""The vision stage's checkpoint: the text tensors of the demo byte for byte, the tower
-under the release's names, a config and tokenizer the loader serves images from.
+"""The vision stage's checkpoint: the text tensors of the demo byte for byte (or, when
+the stage trained the text model too, the trained values in their stored formats, the
+drafter byte for byte), the tower under the release's names, a config and tokenizer
+the loader serves images from.
 
 The tower here is untrained (seeded): what is tested is the writing, not the seeing.
 """
@@ -18,10 +20,12 @@ from engine.model.deepseek_v41.vision.config import IMAGE_TOKEN, vision_config
 from training.demo_config import demo_checkpoint_dir
 from training.vision_stage import (
     DEMO_VISION,
+    DRAFTER_PREFIX,
     VISION_PREFIXES,
     seeing_model,
     write_seeing_checkpoint,
 )
+from training.weight_qat import served_value
 
 
 def _stored(path: Path) -> dict[str, torch.Tensor]:
@@ -54,3 +58,27 @@ def test_written_checkpoint_keeps_the_text_and_serves_the_tower(tmp_path: Path) 
     assert torch.equal(loaded.image_start, torch.full_like(loaded.image_start, 0.25))
     record = json.loads((tmp_path / "training.json").read_text(encoding="utf-8"))
     assert record["vision_stage"] == {"note": "test"} and "stage_1" in record
+
+
+def test_a_text_trained_checkpoint_stores_the_trained_text_and_keeps_the_drafter(
+    tmp_path: Path,
+) -> None:
+    demo = demo_checkpoint_dir()
+    config, model, _, data = seeing_model(demo, DEMO_VISION, seed=0)
+    moved = ("layers.3.attn.wq_b.weight", "layers.5.ffn.experts.2.w1.weight", "embed.weight")
+    params = model.state_dict(keep_vars=True)
+    with torch.no_grad():
+        for name in moved:  # as training would move them, off the stored grid
+            params[name].add_(0.01 * torch.randn_like(params[name]))
+        trained = {name: params[name].detach().clone() for name in moved}
+    write_seeing_checkpoint(demo, tmp_path, config, model, data, {}, text_too=True)
+
+    before, after = _stored(demo), _stored(tmp_path)
+    assert set(after) - set(before) == {n for n in after if n.startswith(VISION_PREFIXES)}
+    for name in (n for n in before if n.startswith(DRAFTER_PREFIX)):
+        assert torch.equal(after[name].view(torch.uint8), before[name].view(torch.uint8)), name
+    _, loaded = load_checkpoint(tmp_path, quantization="none")
+    served = loaded.state_dict()
+    for name in moved:  # what the format gives back for the trained value, not the old one
+        assert torch.equal(served[name], served_value(name, trained[name])), name
+        assert not torch.equal(after[name], before[name]), name
