@@ -82,6 +82,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--vision-probe-steps", type=int, default=1500, help="steps of the tower's probe"
     )
+    parser.add_argument(
+        "--vision-resume",
+        type=int,
+        metavar="PICTURES",
+        help="go on from the tower --out carries (no probe), its chats from picture "
+        "PICTURES on (the pictures the earlier run trained on: its probe and align steps)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -133,6 +140,11 @@ def _vision_stage(out: Path, args: argparse.Namespace) -> int:
         text_lr=args.vision_text_lr,
         probe_steps=args.vision_probe_steps,
     )
+    if args.vision_resume is not None:
+        # The rows already say what the picture shows: no probe, no fresh heads on them.
+        cfg = dataclasses.replace(
+            cfg, resume=True, probe_steps=0, probe_weight=0.0, first_picture=args.vision_resume
+        )
     build_vision_stage(
         out, out, cfg, say=lambda m: print(m, flush=True), corpus_dir=Path(args.cache_dir)
     )

@@ -105,10 +105,14 @@ class VisionTrainConfig:
     eval_every: int = 250  # a held-out check of 12 pictures costs about half a minute
     eval_images: int = 12
     seed: int = 0
+    # Go on from the tower ``demo_dir`` already carries (a second run of the stage)
+    # instead of a fresh one; the pictures go on from where ``first_picture`` says.
+    resume: bool = False
+    first_picture: int = 0
 
 
 def seeing_model(
-    demo_dir: Path, vision: VisionConfig, seed: int
+    demo_dir: Path, vision: VisionConfig, seed: int, keep_tower: bool = False
 ) -> tuple[ModelConfig, DeepseekV41, Tokenizer, dict[str, Any]]:
     """The demo text model with an untrained tower and the placeholder in its tokenizer.
 
@@ -125,10 +129,17 @@ def seeing_model(
     model.init_weights(torch.Generator().manual_seed(seed))
     if text.dspark is None:  # the text checkpoint carries no drafter: neither does this one
         model.drop_drafter()
-    # A checkpoint that already sees (a rerun) starts from a fresh tower too.
-    state = {n: t for n, t in text.state_dict().items() if not n.startswith(VISION_PREFIXES)}
+    # A checkpoint that already sees (a rerun) starts from a fresh tower too, unless
+    # ``keep_tower`` (a run that goes on from it).
+    state = {
+        n: t
+        for n, t in text.state_dict().items()
+        if keep_tower or not n.startswith(VISION_PREFIXES)
+    }
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert not unexpected and all(n.startswith(VISION_PREFIXES) for n in missing), missing
+    if keep_tower and missing:
+        raise ValueError(f"{demo_dir} has no tower to go on from (missing {missing[0]})")
     model.set_compressed_vocab(build_compressed_vocab(tokenizer)[0])
     for name, p in model.named_parameters():
         p.requires_grad_(name.startswith(VISION_PREFIXES))
@@ -288,7 +299,7 @@ def train_align(
             progress = (time.monotonic() - began) / cfg.max_seconds
         last = step == cfg.steps - 1 or (progress is not None and progress >= 1.0)
         model.train()
-        seed = cfg.probe_steps + step  # pictures the probe did not see
+        seed = cfg.probe_steps + cfg.first_picture + step  # pictures the probe did not see
         image, scene = render_scene(seed)
         processed = process_image(png_bytes(image), vision)
         chat = image_chat(
@@ -384,7 +395,7 @@ def build_vision_stage(
     """Train the tower on top of ``demo_dir``'s text model and write ``out_dir``."""
     started = time.monotonic()
     torch.manual_seed(cfg.seed)
-    config, model, tokenizer, data = seeing_model(demo_dir, vision, cfg.seed)
+    config, model, tokenizer, data = seeing_model(demo_dir, vision, cfg.seed, cfg.resume)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     say(f"tower: {trainable / 1e6:.2f} M trainable parameters, image id {model.image_token_id}")
     heads = SceneHeads(config.hidden_size)
