@@ -14,8 +14,11 @@ over their wall time), and from the engine's counters the mean acceptance length
 position; and whether every request's tokens equal the plain run's (they must).
 
 Workloads (``--workload``): ``json-edit`` (the prompt holds a block of JSON tool
-schemas and asks for it again, the kind of copying prompt lookup exploits) and
-``verse`` (a play's opening, little to copy: the drafter's case).
+schemas and asks for it again, the kind of copying prompt lookup exploits),
+``verse`` (a play's opening, little to copy: the drafter's case) and ``tool-call``
+(an agent's turn: tool schemas, a request, the model writes the call; the server's
+prompts of training/tool_data.py conversations, from seeds the drafter's stage never
+draws).
 
 ``--simulate-only`` needs no speculative engine: it replays the ngram proposer over
 the plain run's greedy tokens, step by step as a greedy verify would (accept the
@@ -32,6 +35,7 @@ import argparse
 import dataclasses
 import json
 import platform
+import random
 import statistics
 import sys
 import time
@@ -42,6 +46,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 JSON_SAMPLE = REPO / "bench" / "data" / "tool_json_sample.txt"
+# The tool-call workload's conversations: seeds apart from the DSpark stage's stream.
+TOOL_SEEDS = 9_000_000
+TOOL_REPLIES = ["Good my lord, the deed is done.", "I will, my lord."]
 VERSE = (
     "ACT I\n\nSCENE I. Verona. A public place.\n\nEnter SAMPSON and GREGORY, armed.\n\n"
     "SAMPSON.\nGregory, on my word, we'll not carry coals.\n\nGREGORY.\n"
@@ -54,6 +61,10 @@ def workload_texts(name: str, batch: int) -> list[str]:
     page, so the prefix cache does not serve one from another)."""
     if name == "verse":
         return [f"[{i}]\n{VERSE}" for i in range(batch)]
+    if name == "tool-call":
+        from training.dspark_prompts import tool_prompt
+
+        return [tool_prompt(random.Random(TOOL_SEEDS + i), TOOL_REPLIES) for i in range(batch)]
     lines = [ln for ln in JSON_SAMPLE.read_text().splitlines() if ln.startswith("{")]
     out = []
     for i in range(batch):
@@ -258,7 +269,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--max-tokens", type=int, default=64, help="output tokens per request")
-    p.add_argument("--workload", choices=["json-edit", "verse"], default="json-edit")
+    p.add_argument("--workload", choices=["json-edit", "verse", "tool-call"], default="json-edit")
     p.add_argument("--simulate-only", action="store_true", help="plain runs + ngram replay")
     p.add_argument("--lookup-only", action="store_true", help="time the ngram lookup only")
     p.add_argument("--json", type=Path, help="write the results here")

@@ -60,6 +60,11 @@ def test_workloads_differ_per_request_and_json_edit_repeats_its_schemas() -> Non
     first_line = texts[0].split("\n\n")[1].splitlines()[0]
     assert texts[0].endswith(first_line[:40])  # the copy has begun: prompt lookup's case
     assert len(set(spec_decode.workload_texts("verse", 2))) == 2
+    calls = spec_decode.workload_texts("tool-call", 3)
+    assert len(set(calls)) == 3 and all(
+        t.endswith(("<｜Assistant｜></think>", "<｜Assistant｜><think>")) for t in calls
+    )
+    assert all("parameter schemas" in t for t in calls)
 
 
 def test_arguments() -> None:
