@@ -55,6 +55,17 @@ def engine_model(tiny_model):
     return model.eval()
 
 
+@pytest.fixture(scope="session")
+def engine_checkpoint(engine_model, tmp_path_factory):
+    """``engine_model`` saved with the tiny tokenizer: what the parallel serving tests'
+    worker ranks load (and their single-process oracle), its DSpark drafter included."""
+    from engine.loader.checkpoint_writer import save_checkpoint, write_tiny_tokenizer
+
+    out = save_checkpoint(engine_model, engine_model.config, tmp_path_factory.mktemp("varied"))
+    write_tiny_tokenizer(out, engine_model.config)
+    return out
+
+
 def _cached_oracle(model):
     """``reference_generate`` on ``model``, cached: many tests share prompts."""
     from engine.model.deepseek_v41.reference import reference_generate

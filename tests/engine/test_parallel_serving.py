@@ -31,9 +31,7 @@ from engine.api.request import Request
 from engine.api.sampling_params import SamplingParams
 from engine.config import EngineConfig
 from engine.loader.builder import build_engine, checkpoint_fingerprint
-from engine.loader.checkpoint_writer import save_checkpoint, write_tiny_tokenizer
 from engine.model.deepseek_v41.config import ModelConfig
-from engine.model.deepseek_v41.model import DeepseekV41
 from engine.parallel.executor import WorkerFailure, free_port, start_worker, worker_specs
 from kvstore.device.layout import kv_layout
 
@@ -57,23 +55,11 @@ HIT_PROMPT = PROMPTS["r1"] + _prompt(6, 99)
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    """A tiny checkpoint whose greedy streams vary from token to token (the engine
-    tests' ``engine_model`` recipe: larger embeddings, sinks and mHC weights), so a
-    wrong row or KV byte changes the tokens."""
-    config = ModelConfig.tiny()
-    model = DeepseekV41(config)
-    model.init_weights(torch.Generator().manual_seed(1234))
-    with torch.no_grad():
-        model.embed.weight.mul_(10.0)
-        for name, p in model.named_parameters():
-            if name.endswith("attn_sink"):
-                p.copy_(torch.linspace(-1.0, 1.0, p.numel()))
-            elif "hc_" in name and name.endswith("_fn"):
-                p.mul_(5.0)
-    out = save_checkpoint(model, config, tmp_path_factory.mktemp("tiny-par"))
-    write_tiny_tokenizer(out, config)
-    return out
+def checkpoint(engine_checkpoint):
+    """The engine tests' tiny checkpoint whose greedy streams vary from token to token
+    (larger embeddings, sinks and mHC weights: tests/engine/conftest.py), so a wrong
+    row or KV byte changes the tokens."""
+    return engine_checkpoint
 
 
 def _config(**parallel) -> EngineConfig:
