@@ -95,6 +95,9 @@ class VisionTrainConfig:
     text_lr: float | None = None
     replay_len: int = 128  # tokens of the replay sequence (0: no replay)
     replay_weight: float = 1.0
+    # Chats among the replay sequences: a picture chat's one-line answer teaches the
+    # model to answer every user turn that way unless text chats say otherwise.
+    replay_chat_fraction: float = 0.4
     warmup_steps: int = 20
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.01
@@ -186,15 +189,19 @@ class SceneHeads(nn.Module):
         )
 
     def loss(self, cells: torch.Tensor, scene: Scene) -> torch.Tensor:
-        """Summed cross-entropy of every row's three guesses (mean over the rows)."""
+        """Summed cross-entropy of every row's three guesses (mean over the rows) and of
+        the rows' mean's: a shape is the arrangement of many rows, which a mean over
+        them can carry where one row cannot (as the language model's attention pools)."""
         truths = (
             SHAPES.index(scene.shape),
             list(COLOURS).index(scene.colour),
             list(BACKGROUNDS).index(scene.background),
         )
         total = cells.new_zeros(())
+        pooled = cells.mean(0, keepdim=True)
         for head, truth in zip(self.heads, truths, strict=True):
             total = total + F.cross_entropy(head(cells), torch.full((len(cells),), truth))
+            total = total + F.cross_entropy(head(pooled), torch.tensor([truth]))
         return total
 
 
@@ -247,14 +254,15 @@ def chat_loss(
 def replay_sampler(
     tokenizer: Tokenizer, cfg: VisionTrainConfig, cache_dir: Path
 ) -> SequenceSampler:
-    """Text sequences of the demo's second text stage's mix (json_warm_start's
-    ``SHIPPED_STAGE_2``: 40% chat, 10% tool calls, served ends, short replies)."""
+    """Text sequences of the demo's second text stage's kinds (json_warm_start's
+    ``SHIPPED_STAGE_2``: chats, 10% tool calls, served ends, short replies), with
+    ``cfg.replay_chat_fraction`` chats."""
     corpus = load_corpus(cache_dir)
     return SequenceSampler(
         tokenizer,
         corpus.train,
         cfg.replay_len,
-        0.4,
+        cfg.replay_chat_fraction,
         cfg.seed,
         0.1,
         served_ends=True,
