@@ -4,8 +4,8 @@ acceptance counters (docs/design/engine.md, "How a verify step runs and rolls ba
 After the scheduler picks a step's rows, each decode may carry up to K drafts
 from the proposer: K is ``num_speculative_tokens``, capped by the room the
 sequence has left (``max_tokens``, the context, the step's row budget, pages
-the pool can give without preempting anyone). With more running sequences than
-``max_batch_size`` nobody drafts: a full batch is bound by bytes, where a draft
+the pool can give without preempting anyone). With more running and waiting
+sequences than ``max_batch_size`` nobody drafts: a full batch is bound by bytes, where a draft
 costs more than it saves. The drafts are appended to the sequence's tokens for
 the runner to read; the engine takes them off again before it samples.
 """
@@ -94,9 +94,12 @@ class Speculator:
         self.max_hidden_rows = max_hidden_rows
 
     def paused(self) -> bool:
-        """A full batch decodes plainly."""
+        """A full batch decodes plainly. Waiting sequences count too: while a burst of
+        requests is still being admitted, the few already decoding would otherwise
+        draft beside the others' prefill chunks, in the steps a full batch runs."""
         cap = self.spec.max_batch_size
-        return cap is not None and len(self.scheduler.running) > cap
+        load = len(self.scheduler.running) + len(self.scheduler.waiting)
+        return cap is not None and load > cap
 
     def draft(self, batch: StepBatch, max_tokens_of: Callable[[Sequence], int]) -> None:
         """Propose for each decode of ``batch``; append the drafts to its tokens and

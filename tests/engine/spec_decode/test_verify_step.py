@@ -258,6 +258,25 @@ def test_pause_above_max_batch_size(engine_model):
     assert alone and all(b.drafts for b in alone[:-1])
 
 
+def test_waiting_sequences_count_toward_max_batch_size(engine_model):
+    """One slot, max_batch_size 1: while the second request waits, the first decodes
+    plainly; alone afterwards, the second drafts."""
+    engine, rec, _ = make_engine(
+        engine_model,
+        "paged",
+        _Reject(),
+        max_num_seqs=1,
+        speculative_config=spec_config(max_batch_size=1),
+    )
+    engine.add_request(Request("first", prompt(12, 1), greedy(5)))
+    engine.add_request(Request("second", prompt(12, 2), greedy(5)))
+    run_to_completion(engine)
+    first = [b for b in rec.batches if [s.request_id for s in b.decodes] == ["first"]]
+    second = [b for b in rec.batches if [s.request_id for s in b.decodes] == ["second"]]
+    assert first and not any(b.drafts for b in first)
+    assert second and all(b.drafts for b in second[:-1])
+
+
 def test_soak_leaves_no_page_and_no_state(engine_model):
     """Many short requests under page pressure (preemption), drafts rejected at random
     positions: the pool ends as it started and the runner holds no state."""
