@@ -122,6 +122,7 @@ def engine_for_model(
             ),
             enforce_eager=config.enforce_eager,
             sizes=config.cuda_graph_sizes,
+            layer_inputs=spec is not None and spec.method == "dspark",
         )
         runner = PagedModelRunner(
             model,

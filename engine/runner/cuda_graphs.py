@@ -154,7 +154,12 @@ class DecodeGraphs:
     """Captured pieces of a decode step for each bucket, and the step that runs them."""
 
     def __init__(
-        self, model: CausalLM, sizes: Seq[int], backend: GraphBackend, device: torch.device
+        self,
+        model: CausalLM,
+        sizes: Seq[int],
+        backend: GraphBackend,
+        device: torch.device,
+        layer_inputs: bool = False,
     ) -> None:
         if model.encoder_only:
             raise ValueError("an encoder-only model has no decode step to capture")
@@ -170,6 +175,10 @@ class DecodeGraphs:
         self.verify_steps = 0  # those of them with a verify chunk
         self.padded_rows = 0  # padding rows those steps computed
         self._engram_layers = [b.layer_id for b in model.blocks if b.engram is not None]
+        # A drafter reads layer inputs (``forward``'s ``layer_input``): then the pieces
+        # also keep each Engram layer's input from before its gate; otherwise no step
+        # pays for that copy.
+        self.layer_inputs = layer_inputs
 
     @property
     def max_rows(self) -> int:
@@ -227,9 +236,10 @@ class DecodeGraphs:
         attn = block.attn
         pos = s.get("pos", b)
         if block.engram is not None:
-            # The block's input before Engram's gate, which the slot ``R`` no longer
-            # holds: what a drafter reading this layer gets (``block_input``).
-            s.put("R_in", R)
+            if self.layer_inputs:
+                # The block's input before Engram's gate, which the slot ``R`` no longer
+                # holds: what a drafter reading this layer gets (``block_input``).
+                s.put("R_in", R)
             image = self._image_rows(b)
             live = None if image is None else ~image
             R = block.engram.apply_rows(R, s.get(f"engram{layer_id}", b), live)
@@ -287,6 +297,8 @@ class DecodeGraphs:
         """Layer ``layer_id``'s input ``R`` [n, hc, D] (what ``Block.forward`` receives),
         between its pre-attention piece and the next: a view of a slot, valid until the
         next replay."""
+        if not self.layer_inputs:
+            raise ValueError("decode graphs captured without layer_inputs keep no layer input")
         engram = self.model.block(layer_id).engram is not None
         return self.slots.get("R_in" if engram else "R", n)
 
@@ -364,10 +376,12 @@ def decode_graphs_for(
     *,
     enforce_eager: bool,
     sizes: Seq[int] | None = None,
+    layer_inputs: bool = False,
 ) -> DecodeGraphs | None:
     """Captured decode graphs when they apply: a CUDA device, not ``--enforce-eager``,
     a decoder model on one rank. None otherwise (the eager forward runs every step).
-    ``max_rows``: the most rows of a decode-only step (``max_step_rows``), the buckets' cap."""
+    ``max_rows``: the most rows of a decode-only step (``max_step_rows``), the buckets' cap;
+    ``layer_inputs``: a drafter will read layer inputs (``DecodeGraphs.layer_inputs``)."""
     device = torch.device(device)
     if enforce_eager or device.type != "cuda" or model.encoder_only:
         return None
@@ -376,7 +390,7 @@ def decode_graphs_for(
         logger.info("CUDA graphs: not captured under tensor/expert parallelism; decode is eager")
         return None
     buckets = capture_sizes(max_rows, sizes)
-    graphs = DecodeGraphs(model, buckets, CudaGraphBackend(device), device)
+    graphs = DecodeGraphs(model, buckets, CudaGraphBackend(device), device, layer_inputs)
     try:
         seconds = graphs.capture()
     except (HostSyncError, RuntimeError) as exc:

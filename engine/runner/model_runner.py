@@ -146,6 +146,7 @@ class PagedModelRunner:
             graphs is not None
             and len(segments) == len(batch.decodes)
             and graphs.fits(kv.positions.shape[0])
+            and (hidden is None or graphs.layer_inputs)
         ):
             # A decode-only step (verify chunks included) in a captured bucket: a decode
             # or draft row is never inside a span (a sampled placeholder takes its plain

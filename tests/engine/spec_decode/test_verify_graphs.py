@@ -46,7 +46,7 @@ def test_step_rows_cover_the_verify_batches_the_engine_can_schedule():
 
 def captured(model, sizes: tuple[int, ...]) -> DecodeGraphs:
     backend = RecordingGraphBackend([*model.parameters(), *model.buffers()])
-    graphs = DecodeGraphs(model, sizes, backend, torch.device("cpu"))
+    graphs = DecodeGraphs(model, sizes, backend, torch.device("cpu"), layer_inputs=True)
     graphs.capture()
     return graphs
 
