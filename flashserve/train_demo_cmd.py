@@ -8,8 +8,9 @@ wall-clock budgets, so a faster machine trains more steps in them.
 
 ``--stage vision`` runs only the vision stage (training/vision_stage.py) on top of
 the checkpoint in ``--out``: a small tower, aligner and span vectors trained on
-rendered shapes with the text model frozen (a fixed probe, then chat training under
-``--vision-minutes``, as the text fine-tunings have budgets).
+rendered shapes with the text model (a fixed probe, then chat training under
+``--vision-minutes``, as the text fine-tunings have budgets, then a second pass at
+half the rates under ``--vision-anneal-minutes``).
 ``--stage dspark`` runs only the DSpark stage (training/dspark_stage.py) on top of
 the checkpoint in ``--out``: the drafter (``mtp.*``) distilled for the frozen text
 model on its own greedy continuations, under ``--dspark-minutes``.
@@ -70,17 +71,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--vision-minutes",
         type=float,
-        default=18.0,
+        default=32.0,
         help="wall-clock budget of the vision stage's chat training (its steps stop there)",
     )
     parser.add_argument(
         "--vision-text-lr",
         type=float,
-        default=None,
-        help="train the text model too in the vision stage, at this peak rate (default: frozen)",
+        default=3e-4,
+        help="peak rate of the text model in the vision stage (distilled replay beside "
+        "the picture chats); 0 keeps it frozen",
     )
     parser.add_argument(
-        "--vision-probe-steps", type=int, default=1500, help="steps of the tower's probe"
+        "--vision-probe-steps", type=int, default=900, help="steps of the tower's probe"
+    )
+    parser.add_argument(
+        "--vision-anneal-minutes",
+        type=float,
+        default=20.0,
+        help="budget of the vision stage's second pass (half the rates, no probe; 0: none)",
     )
     parser.add_argument(
         "--vision-resume",
@@ -132,22 +140,28 @@ def run(args: argparse.Namespace) -> int:
 def _vision_stage(out: Path, args: argparse.Namespace) -> int:
     import dataclasses
 
-    from training.vision_stage import VisionTrainConfig, build_vision_stage
+    from training.vision_stage import VisionTrainConfig, annealing_pass, build_vision_stage
 
     cfg = dataclasses.replace(
         VisionTrainConfig(seed=args.seed),
         max_seconds=args.vision_minutes * 60,
-        text_lr=args.vision_text_lr,
+        text_lr=args.vision_text_lr or None,
         probe_steps=args.vision_probe_steps,
     )
+    say = lambda m: print(m, flush=True)  # noqa: E731
+    corpus = Path(args.cache_dir)
     if args.vision_resume is not None:
         # The rows already say what the picture shows: no probe, no fresh heads on them.
         cfg = dataclasses.replace(
             cfg, resume=True, probe_steps=0, probe_weight=0.0, first_picture=args.vision_resume
         )
-    build_vision_stage(
-        out, out, cfg, say=lambda m: print(m, flush=True), corpus_dir=Path(args.cache_dir)
-    )
+        build_vision_stage(out, out, cfg, say=say, corpus_dir=corpus)
+        return 0
+    build_vision_stage(out, out, cfg, say=say, corpus_dir=corpus)
+    if args.vision_anneal_minutes:
+        build_vision_stage(
+            out, out, annealing_pass(cfg, args.vision_anneal_minutes), say=say, corpus_dir=corpus
+        )
     return 0
 
 

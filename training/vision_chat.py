@@ -47,7 +47,9 @@ def image_chat(
     question (the picture after the question when ``image_last``), then more turns.
 
     The last reply ends with EOS and no generation prompt follows (a training example);
-    ``prompt_ids`` is the form the evaluation decodes from.
+    ``prompt_ids`` is the form the evaluation decodes from. With ``image_tokens`` 0
+    there is no picture: the first question is a text-only message, as the server
+    renders one.
     """
     pieces: list[tuple[str | None, bool]] = [(BOS, False)]
     if thinking:
@@ -56,7 +58,7 @@ def image_chat(
         last = i == len(turns) - 1
         opening = THINK_START + THINK_END if thinking and last else THINK_END
         pieces.append((USER, False))
-        if i == 0:
+        if i == 0 and image_tokens:
             first = [(None, False), (PART_SEPARATOR + question, False)]
             if image_last:
                 first = [(question + PART_SEPARATOR, False), (None, False)]

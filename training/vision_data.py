@@ -3,10 +3,10 @@
 Each picture is drawn with Pillow from a seed alone (``render_scene``), so a seed
 names a picture: the training stream takes seeds from one range and the held-out
 evaluation from another. A scene is one of four shapes in one of six colours,
-at a random place, size and (for the square, triangle and star) turn, with the
-fill's channels jittered, on a white, gray or black background whose shade is
-jittered too. Pictures are 544 x 544: the release's ``min_pixels`` (295,936)
-exactly, so the image processor neither scales them up nor down.
+at a random place, size and (for the square, triangle and star) turn, the fill's
+channels jittered, on a white, gray or black background whose shade is jittered
+too. Pictures are 544 x 544: the release's ``min_pixels`` (295,936) exactly, so
+the image processor neither scales them up nor down.
 
 The questions and answers are short chat turns (``qa_turns``): the answer is the
 colour or the shape, named once ("What colour is the circle?" -> "Red.").
@@ -19,6 +19,7 @@ import math
 import random
 from dataclasses import dataclass
 
+import torch
 from PIL import Image, ImageDraw
 
 SIZE = 544
@@ -38,6 +39,9 @@ BACKGROUNDS: dict[str, tuple[int, int]] = {  # name -> range of the gray level
 }
 # Per-channel fill jitter: small enough that no colour reaches a neighbour's centre.
 FILL_JITTER = 18
+# The turn that stands a shape upright, as a picture book draws it: the square's sides
+# level, the triangle's and the star's point up (the probe's tests draw such scenes).
+UPRIGHT = {"circle": 0.0, "square": 0.0, "triangle": -math.pi / 2, "star": -math.pi / 2}
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +79,44 @@ def _polygon(scene: Scene) -> list[tuple[float, float]]:
     ]
 
 
+def _draw_shape(draw: ImageDraw.ImageDraw, scene: Scene, fill: tuple[int, ...]) -> None:
+    if scene.shape == "circle":
+        cx, cy = scene.centre
+        r = scene.radius * 0.85  # a circle of the same radius looks larger than the others
+        draw.ellipse((cx - r, cy - r, cx + r, cy + r), fill=fill)
+    else:
+        draw.polygon(_polygon(scene), fill=fill)
+
+
+def outline_normals(scene: Scene, points: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For ``points`` [N, 2] (x, y in the picture's pixels): each one's distance to the
+    shape's outline and the angle of the outline's normal at its nearest point
+    (radians, image axes: x right, y down)."""
+    if scene.shape == "circle":
+        d = points - torch.tensor(scene.centre, dtype=points.dtype)
+        distance = (d.norm(dim=-1) - scene.radius * 0.85).abs()
+        return distance, torch.atan2(d[:, 1], d[:, 0])
+    corners = torch.tensor(_polygon(scene), dtype=points.dtype)
+    best = torch.full((len(points),), math.inf, dtype=points.dtype)
+    angle = torch.zeros(len(points), dtype=points.dtype)
+    for a, b in zip(corners, corners.roll(-1, 0), strict=True):
+        ab = b - a
+        t = ((points - a) @ ab / (ab @ ab)).clamp(0, 1)
+        distance = (points - (a + t[:, None] * ab)).norm(dim=-1)
+        closer = distance < best
+        best = torch.where(closer, distance, best)
+        angle = torch.where(closer, math.atan2(float(ab[0]), -float(ab[1])), angle)
+    return best, angle
+
+
+def scene_mask(scene: Scene) -> Image.Image:
+    """The shape's pixels of ``scene``'s picture: white where it is drawn, black elsewhere
+    (the probe's per-cell targets)."""
+    image = Image.new("RGB", (SIZE, SIZE), (0, 0, 0))
+    _draw_shape(ImageDraw.Draw(image), scene, (255, 255, 255))
+    return image
+
+
 def render_scene(seed: int) -> tuple[Image.Image, Scene]:
     """The RGB picture of ``scene_of(seed)`` (the jitter also drawn from the seed)."""
     scene = scene_of(seed)
@@ -85,13 +127,7 @@ def render_scene(seed: int) -> tuple[Image.Image, Scene]:
     fill = tuple(
         min(255, max(0, c + rng.randint(-FILL_JITTER, FILL_JITTER))) for c in COLOURS[scene.colour]
     )
-    draw = ImageDraw.Draw(image)
-    if scene.shape == "circle":
-        cx, cy = scene.centre
-        r = scene.radius * 0.85  # a circle of the same radius looks larger than the others
-        draw.ellipse((cx - r, cy - r, cx + r, cy + r), fill=fill)
-    else:
-        draw.polygon(_polygon(scene), fill=fill)
+    _draw_shape(ImageDraw.Draw(image), scene, fill)
     return image, scene
 
 

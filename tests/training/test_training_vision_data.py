@@ -104,7 +104,7 @@ def _server_ids(tokenizer: Tokenizer, turns, thinking: bool, image_tokens: int, 
     for i, (question, answer) in enumerate(turns):
         content = (
             [{"type": "text", "text": IMAGE_TOKEN}, {"type": "text", "text": question}]
-            if i == 0
+            if i == 0 and image_tokens
             else question
         )
         messages.append({"role": "user", "content": content})
@@ -114,6 +114,8 @@ def _server_ids(tokenizer: Tokenizer, turns, thinking: bool, image_tokens: int, 
     prompt = encode_chat(request.messages, thinking=thinking, reasoning_effort=75)
     text = prompt + (THINK_END if thinking else "") + turns[-1][1] + EOS
     ids = tokenizer.encode(text, add_special_tokens=False).ids
+    if not image_tokens:
+        return ids
     at = ids.index(image_id)
     return ids[:at] + [image_id] * image_tokens + ids[at + 1 :]
 
@@ -130,6 +132,17 @@ def test_chat_is_the_server_layout_of_an_image_part(tokenizers, thinking, n_turn
     # The loss's targets are the replies and their EOS, nothing else.
     replies = [seeing.encode(a + EOS, add_special_tokens=False).ids for _, a in turns]
     assert chat.ids[chat.targets].tolist() == [t for r in replies for t in r]
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_a_chat_without_a_picture_is_the_server_layout_of_text(tokenizers, thinking) -> None:
+    # The vision stage's negatives: the same questions with no picture.
+    _, seeing, image_id = tokenizers
+    _, scene = render_scene(5)
+    turns = qa_turns(5, scene, 3)
+    chat = image_chat(seeing, image_id, 0, turns, thinking=thinking)
+    assert chat.ids.tolist() == _server_ids(seeing, turns, thinking, 0, image_id)
+    assert image_id not in chat.ids.tolist()
 
 
 def test_prompt_ends_at_the_assistants_opening(tokenizers) -> None:

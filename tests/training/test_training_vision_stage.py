@@ -22,6 +22,8 @@ from training.vision_stage import (
     DEMO_VISION,
     DRAFTER_PREFIX,
     VISION_PREFIXES,
+    VisionTrainConfig,
+    annealing_pass,
     seeing_model,
     write_seeing_checkpoint,
 )
@@ -74,7 +76,9 @@ def test_a_text_trained_checkpoint_stores_the_trained_text_and_keeps_the_drafter
     write_seeing_checkpoint(demo, tmp_path, config, model, data, {}, text_too=True)
 
     before, after = _stored(demo), _stored(tmp_path)
-    assert set(after) - set(before) == {n for n in after if n.startswith(VISION_PREFIXES)}
+    # The same names (a tower added, or replaced when the demo already sees).
+    tower = {n for n in after if n.startswith(VISION_PREFIXES)}
+    assert tower and set(after) == {n for n in before if not n.startswith(VISION_PREFIXES)} | tower
     for name in (n for n in before if n.startswith(DRAFTER_PREFIX)):
         assert torch.equal(after[name].view(torch.uint8), before[name].view(torch.uint8)), name
     _, loaded = load_checkpoint(tmp_path, quantization="none")
@@ -82,3 +86,27 @@ def test_a_text_trained_checkpoint_stores_the_trained_text_and_keeps_the_drafter
     for name in moved:  # what the format gives back for the trained value, not the old one
         assert torch.equal(served[name], served_value(name, trained[name])), name
         assert not torch.equal(after[name], before[name]), name
+
+
+def test_the_annealing_pass_goes_on_at_half_rates_on_unseen_pictures(tmp_path: Path) -> None:
+    first = VisionTrainConfig(probe_steps=900, steps=600, lr=3e-3, text_lr=3e-4)
+    second = annealing_pass(first, minutes=20)
+    assert (second.lr, second.text_lr) == (1.5e-3, 1.5e-4)
+    assert second.resume and second.probe_steps == 0 and second.probe_weight == 0
+    assert second.max_seconds == 1200
+    # Align step k sees picture probe_steps + first_picture + k: the second pass's
+    # pictures start after every picture the first pass could reach.
+    seen = set(range(first.probe_steps + first.first_picture + first.steps))
+    assert second.probe_steps + second.first_picture not in seen
+    assert second.probe_steps + second.first_picture == max(seen) + 1
+    assert annealing_pass(VisionTrainConfig(text_lr=None), 5).text_lr is None
+
+    # Its record goes beside the first pass's, not over it.
+    demo = demo_checkpoint_dir()
+    config, model, _, data = seeing_model(demo, DEMO_VISION, seed=0)
+    write_seeing_checkpoint(demo, tmp_path, config, model, data, {"pass": 1})
+    write_seeing_checkpoint(
+        tmp_path, tmp_path, config, model, data, {"pass": 2}, stage="vision_stage_resumed"
+    )
+    record = json.loads((tmp_path / "training.json").read_text(encoding="utf-8"))
+    assert record["vision_stage"] == {"pass": 1} and record["vision_stage_resumed"] == {"pass": 2}
