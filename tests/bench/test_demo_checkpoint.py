@@ -43,10 +43,10 @@ PINNED_COMPLETION = [210, 422, 316, 270, 452, 25, 210, 210]
 PINNED_COMPLETION_TEXT = "\nTo be a man.\n\n"
 
 CHAT = [{"role": "user", "content": "Who's there?"}]
-PINNED_CHAT = [52, 467, 334, 23, 531, 23, 304, 481]
-PINNED_CHAT_TEXT = "I am not, sir, I'll"
+PINNED_CHAT = [52, 467, 270, 452, 23, 210, 350, 23]
+PINNED_CHAT_TEXT = "I am a man,\nAnd,"
 # A chat reply ends with EOS (earlier demo checkpoints ran on into another speech).
-PINNED_REPLY = "I am not, sir, I'll be a man."
+PINNED_REPLY = "I am a man,\nAnd, I'll be a man."
 
 
 @pytest.fixture(scope="module")
