@@ -47,7 +47,7 @@ from engine.model.deepseek_v41.engram import build_compressed_vocab
 from engine.model.deepseek_v41.model import DeepseekV41
 from engine.model.deepseek_v41.vision.aligner import merge_cells
 from engine.model.deepseek_v41.vision.config import VisionConfig, with_vision
-from engine.model.deepseek_v41.vision.image_plan import ImagePlan
+from engine.model.deepseek_v41.vision.image_plan import ImagePlan, fitted_size
 from engine.model.deepseek_v41.vision.image_processor import process_image
 from engine.model.deepseek_v41.vision.span import SpanRole, span_roles
 from engine.model.kv.dense_backend import DenseKV
@@ -232,9 +232,11 @@ def patch_outlines(scene: Scene, plan: ImagePlan) -> tuple[torch.Tensor, torch.T
     """Which of the ViT's patches the shape's outline crosses ([n_patches] bool: the
     outline within half a patch of its centre) and what its normal's harmonics are
     there ([n_patches, 2 x len(OUTLINE_HARMONICS)]: cos and sin of each)."""
-    scale = min(plan.box_width / SIZE, plan.box_height / SIZE)
-    offset_x = round((plan.box_width - round(SIZE * scale)) * 0.5)
-    offset_y = round((plan.box_height - round(SIZE * scale)) * 0.5)
+    # Where the processor puts the picture in its box (fitted, centred).
+    fitted, _ = fitted_size(SIZE, SIZE, plan.box_width, plan.box_height)
+    scale = fitted / SIZE
+    offset_x = round((plan.box_width - fitted) * 0.5)
+    offset_y = round((plan.box_height - fitted) * 0.5)
     ys, xs = torch.meshgrid(
         (torch.arange(plan.n_vit_h) + 0.5) * plan.patch_size - offset_y,
         (torch.arange(plan.n_vit_w) + 0.5) * plan.patch_size - offset_x,
@@ -341,6 +343,19 @@ def cell_rows(rows: torch.Tensor, plan: ImagePlan) -> torch.Tensor:
     return rows[span_roles(plan.n_llm_h, plan.n_llm_w) == SpanRole.CELL]
 
 
+def tower_cells(
+    model: DeepseekV41, seed: int
+) -> tuple[Scene, ImagePlan, torch.Tensor, torch.Tensor]:
+    """Picture ``seed`` through the ViT and the aligner alone: its scene, its plan, the
+    patches' features and the cells' rows (what the probe's heads read)."""
+    assert model.vision is not None and model.aligner is not None
+    image, scene = render_scene(seed)
+    processed = process_image(png_bytes(image), model.vision.vision)
+    plan = processed.plan
+    features = model.vision(processed.patches, plan.n_vit_h, plan.n_vit_w)
+    return scene, plan, features, model.aligner(features, plan.n_vit_h, plan.n_vit_w)
+
+
 def train_probe(
     model: DeepseekV41, heads: SceneHeads, cfg: VisionTrainConfig, say: Callable[[str], None]
 ) -> list[dict[str, Any]]:
@@ -353,11 +368,7 @@ def train_probe(
     log: list[dict[str, Any]] = []
     running = 0.0
     for step in range(cfg.probe_steps):
-        image, scene = render_scene(step)
-        processed = process_image(png_bytes(image), model.vision.vision)
-        plan = processed.plan
-        features = model.vision(processed.patches, plan.n_vit_h, plan.n_vit_w)
-        cells = model.aligner(features, plan.n_vit_h, plan.n_vit_w)
+        scene, plan, features, cells = tower_cells(model, step)
         targets = scene_targets(scene, plan, model.vision.vision)
         loss = heads.loss(features, cells, scene, targets)
         loss.backward()
@@ -378,14 +389,10 @@ def train_probe(
 def probe_accuracy(model: DeepseekV41, heads: SceneHeads, seeds: range) -> dict[str, float]:
     """How often the heads on the rows' mean name held-out pictures' shape and colour:
     what the tower says before any language model reads it."""
-    assert model.vision is not None and model.aligner is not None
     right = {"shape": 0, "colour": 0}
     for seed in seeds:
-        image, scene = render_scene(seed)
-        processed = process_image(png_bytes(image), model.vision.vision)
-        plan = processed.plan
-        features = model.vision(processed.patches, plan.n_vit_h, plan.n_vit_w)
-        pooled = model.aligner(features, plan.n_vit_h, plan.n_vit_w).mean(0)
+        scene, _, _, cells = tower_cells(model, seed)
+        pooled = cells.mean(0)
         right["shape"] += int(heads.picture_shape(pooled).argmax()) == SHAPES.index(scene.shape)
         colour = int(heads.picture_colour(pooled).argmax())
         right["colour"] += colour == list(COLOURS).index(scene.colour)
