@@ -98,6 +98,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--vision-probe-steps", type=int, default=900, help="steps of the tower's probe"
     )
     parser.add_argument(
+        "--vision-probe-lr", type=float, default=3e-3, help="peak rate of the tower's probe"
+    )
+    parser.add_argument(
+        "--vision-outline-weight",
+        type=float,
+        default=0.0,
+        help="weight of the probe's outline head (each outline patch told its normal)",
+    )
+    parser.add_argument(
+        "--vision-cell-targets",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the probe tells each aligner row what its cell shows (--no-vision-cell-targets: "
+        "only the outline and the rows' mean)",
+    )
+    parser.add_argument(
+        "--vision-record",
+        default=None,
+        metavar="KEY",
+        help="training.json key of the pass's record (default: vision_stage, or "
+        "vision_stage_resumed / vision_stage_tower for a resumed pass)",
+    )
+    parser.add_argument(
         "--vision-anneal-minutes",
         type=float,
         default=20.0,
@@ -162,6 +185,9 @@ def vision_passes(args: argparse.Namespace) -> list[tuple[VisionTrainConfig, str
         max_seconds=args.vision_minutes * 60,
         text_lr=args.vision_text_lr or None,
         probe_steps=args.vision_probe_steps,
+        probe_lr=args.vision_probe_lr,
+        outline_weight=args.vision_outline_weight,
+        cell_targets=args.vision_cell_targets,
         lr=args.vision_lr,
         steps=args.vision_steps,
     )
@@ -172,10 +198,12 @@ def vision_passes(args: argparse.Namespace) -> list[tuple[VisionTrainConfig, str
         )
         # A pass on the tower alone keeps its record apart from the passes that also
         # trained the text model.
-        return [(cfg, "vision_stage_tower" if cfg.text_lr is None else None)]
+        tower_only = "vision_stage_tower" if cfg.text_lr is None else None
+        return [(cfg, args.vision_record or tower_only)]
+    first = (cfg, args.vision_record)
     if not args.vision_anneal_minutes:
-        return [(cfg, None)]
-    return [(cfg, None), (annealing_pass(cfg, args.vision_anneal_minutes), None)]
+        return [first]
+    return [first, (annealing_pass(cfg, args.vision_anneal_minutes), None)]
 
 
 def _vision_stage(out: Path, args: argparse.Namespace) -> int:

@@ -96,6 +96,9 @@ class VisionTrainConfig:
     # pictures are turned at random; 4 in the upright trial of docs/QUALITY.md.
     outline_weight: float = 0.0
     row_shape: bool = False  # every row told the picture's shape too
+    # False: no per-cell or per-row targets, only the outline and the rows' mean
+    # (the upright trial of docs/QUALITY.md that read shape).
+    cell_targets: bool = True
     probe_weight: float = 0.5  # the probe's loss beside the chats' in stage 2
     steps: int = 600  # at most; a wall-clock budget (``max_seconds``) may stop it first
     max_seconds: float | None = 32 * 60.0
@@ -280,12 +283,18 @@ class SceneHeads(nn.Module):
     shape (docs/QUALITY.md)."""
 
     def __init__(
-        self, width: int, vit_width: int, outline_weight: float = 0.0, row_shape: bool = False
+        self,
+        width: int,
+        vit_width: int,
+        outline_weight: float = 0.0,
+        row_shape: bool = False,
+        cell_targets: bool = True,
     ) -> None:
         super().__init__()
         self.outline = nn.Linear(vit_width, 2 * len(OUTLINE_HARMONICS))
         self.outline_weight = outline_weight
         self.row_shape = row_shape
+        self.cell_targets = cell_targets
         self.region = nn.Linear(width, 3)
         self.shape = nn.Linear(width, len(SHAPES))
         self.colour = nn.Linear(width, len(COLOURS))
@@ -314,6 +323,11 @@ class SceneHeads(nn.Module):
             total = total + self.outline_weight * outline
         if self.row_shape:
             total = total + ce(self.picture_shape, cells, shape)
+        total = (
+            total + ce(self.picture_shape, pooled, shape) + ce(self.picture_colour, pooled, colour)
+        )
+        if not self.cell_targets:
+            return total
         return (
             total
             + F.cross_entropy(self.region(cells), regions)
@@ -321,8 +335,6 @@ class SceneHeads(nn.Module):
             + ce(self.colour, cells[regions != BACKGROUND], colour)
             + ce(self.background, cells[regions == BACKGROUND], BACKGROUNDS_INDEX[scene.background])
             + ce(self.picture_colour, cells, colour)
-            + ce(self.picture_shape, pooled, shape)
-            + ce(self.picture_colour, pooled, colour)
         )
 
 
@@ -613,7 +625,9 @@ def build_vision_stage(
     config, model, tokenizer, data = seeing_model(demo_dir, vision, cfg.seed, cfg.resume)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     say(f"tower: {trainable / 1e6:.2f} M trainable parameters, image id {model.image_token_id}")
-    heads = SceneHeads(config.hidden_size, vision.hidden_size, cfg.outline_weight, cfg.row_shape)
+    heads = SceneHeads(
+        config.hidden_size, vision.hidden_size, cfg.outline_weight, cfg.row_shape, cfg.cell_targets
+    )
     # The starting text model, as served (its dequantised stored values), for the
     # replay's targets.
     teacher = None

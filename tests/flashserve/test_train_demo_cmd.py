@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+from pathlib import Path
 
 from flashserve import train_demo_cmd
 from training.demo_config import demo_checkpoint_dir
@@ -13,6 +14,7 @@ from training.demo_config import demo_checkpoint_dir
 # The commands docs/QUALITY.md gives for the committed tower, after ``--stage vision``.
 TOWER_PASS = "--vision-resume 2000 --vision-text-lr 0 --vision-lr 1.5e-3 --vision-minutes 20 "
 TOWER_PASS += "--vision-steps 1000"
+QUALITY = Path(__file__).parents[2] / "docs" / "QUALITY.md"
 
 
 def _passes(argv: str) -> list[tuple[dict, str | None]]:
@@ -49,6 +51,7 @@ def test_a_resumed_pass_with_the_text_frozen_is_recorded_as_the_towers() -> None
 
 
 def test_the_documented_commands_give_the_committed_records_settings() -> None:
+    assert TOWER_PASS in QUALITY.read_text(encoding="utf-8")
     records = json.loads((demo_checkpoint_dir() / "training.json").read_text(encoding="utf-8"))
     (first, _), _ = _passes("")
     [(tower, _)] = _passes(TOWER_PASS)

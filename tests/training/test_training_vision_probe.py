@@ -92,6 +92,13 @@ def test_uniform_heads_cost_ln_of_each_terms_class_count() -> None:
         torch.nn.init.zeros_(p)
     without = expected - 4 * 0.5 - math.log(shapes)
     assert plain.loss(features, cells, CIRCLE, targets).item() == pytest.approx(without, rel=1e-6)
+    # Without the per-cell and per-row targets: the outline and the mean's two.
+    outline_only = SceneHeads(16, 8, outline_weight=4.0, cell_targets=False)
+    for p in outline_only.parameters():
+        torch.nn.init.zeros_(p)
+    mean_only = 4 * 0.5 + math.log(shapes) + math.log(colours)
+    got = outline_only.loss(features, cells, CIRCLE, targets).item()
+    assert got == pytest.approx(mean_only, rel=1e-6)
     # A head that names the truth lowers its term: the targets reach the heads.
     with torch.no_grad():
         heads.region.bias[BACKGROUND] = 1.0  # most cells are background
